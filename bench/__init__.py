@@ -1,0 +1,1 @@
+"""Benchmarks of specmesh against plain and HF speculative generation (run: make bench)."""

@@ -1,0 +1,49 @@
+"""Gateway gRPC servicer: validate + tokenize, relay to the router, assemble or stream."""
+from __future__ import annotations
+
+import uuid
+
+from opentelemetry import trace
+
+from gateway.requests import ServedModel, to_route_request
+from services.common.rpc import rpc_errors
+from specmesh.v1 import gateway_pb2, gateway_pb2_grpc
+
+SERVICE_NAME = "specmesh.v1.Gateway"
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    def __init__(self, router, model: ServedModel) -> None:
+        self.router = router  # RouterStub or LocalStub
+        self.model = model
+
+    def _route(self, request: gateway_pb2.GenerateRequest):
+        request_id = uuid.uuid4().hex
+        trace.get_current_span().set_attribute("specmesh.request_id", request_id)
+        return request_id, to_route_request(request, self.model, request_id)
+
+    @rpc_errors
+    async def Generate(self, request, context):
+        request_id, route = self._route(request)
+        response = gateway_pb2.GenerateResponse(model=self.model.name, request_id=request_id)
+        texts = []
+        async for chunk in self.router.Generate(route):
+            texts.append(chunk.text)
+            response.token_ids.extend(chunk.token_ids)
+            response.finish_reason = chunk.finish_reason
+            response.stats.CopyFrom(chunk.stats)
+        response.text = "".join(texts)
+        return response
+
+    @rpc_errors
+    async def GenerateStream(self, request, context):
+        request_id, route = self._route(request)
+        async for chunk in self.router.Generate(route):
+            yield gateway_pb2.GenerateChunk(text=chunk.text, token_ids=chunk.token_ids,
+                                            finish_reason=chunk.finish_reason, stats=chunk.stats,
+                                            request_id=request_id)
+
+    @rpc_errors
+    async def ListModels(self, request, context):
+        return gateway_pb2.ListModelsResponse(models=[self.model.info()],
+                                              default_model=self.model.name)

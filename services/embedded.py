@@ -1,0 +1,81 @@
+"""Embedded mode: every role in one process, joined by an in-memory pool and in-process calls.
+
+The same engines and servicers as the multi-process stack; only the transport differs (direct
+calls through LocalStub instead of gRPC, MemoryPool instead of Redis). `specmesh run` uses it;
+so do tests and benchmarks.
+
+    async with EmbeddedMesh.start(Settings()) as mesh:
+        response = await mesh.generate(prompt="Hello", max_tokens=32)
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from gateway.requests import ServedModel
+from gateway.servicer import GatewayServicer
+from services.common import models, serving
+from services.common.config import Settings
+from services.common.pool import MemoryPool
+from services.common.rpc import LocalStub
+from services.drafter.models import build_draft_models
+from services.drafter.servicer import DrafterServicer
+from services.router.engine import Router, TargetInfo
+from services.router.servicer import RouterServicer
+from services.verifier.engine import VerifierEngine
+from services.verifier.server import load_target
+from services.verifier.worker import VerifierWorker
+from specmesh import build_request
+from specmesh.v1 import gateway_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EmbeddedMesh:
+    settings: Settings
+    gateway: LocalStub  # GatewayServicer called in-process
+    router: Router
+    worker: VerifierWorker
+    drafter: DrafterServicer
+    pool: MemoryPool
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def start(cls, settings: Settings) -> AsyncIterator["EmbeddedMesh"]:
+        executor = serving.compute_executor()  # drafter and verifier share the cores in turn
+        loop = asyncio.get_running_loop()
+        path = await loop.run_in_executor(executor, models.resolve, settings.model,
+                                          settings.cache_dir)
+        tokenizer = models.load_tokenizer(path)
+        target = await loop.run_in_executor(executor, load_target, settings)
+        drafts = await loop.run_in_executor(executor, build_draft_models, settings)
+        pool = MemoryPool()
+        worker = VerifierWorker(VerifierEngine(target, "verifier-embedded"), pool, executor,
+                                settings.verifier)
+        drafter = DrafterServicer(drafts, executor)
+        info = TargetInfo(settings.model, target.vocab_size, target.context_length,
+                          tuple(models.eos_token_ids(path, tokenizer)))
+        router = Router(pool, LocalStub(drafter), tokenizer, info, settings.speculation,
+                        settings.router)
+        served = ServedModel(settings.model, tokenizer, target.context_length,
+                             settings.max_tokens_default, settings.max_tokens_limit)
+        gateway = LocalStub(GatewayServicer(LocalStub(RouterServicer(router)), served))
+        worker.start()
+        router.start()
+        try:
+            yield cls(settings, gateway, router, worker, drafter, pool)
+        finally:
+            await router.stop()
+            await worker.stop()
+            executor.shutdown(wait=False, cancel_futures=True)
+
+    async def generate(self, **kwargs) -> gateway_pb2.GenerateResponse:
+        """Same keyword arguments as the SDK's build_request (prompt= or messages=, ...)."""
+        return await self.gateway.Generate(build_request(**kwargs))
+
+    def stream(self, **kwargs) -> AsyncIterator[gateway_pb2.GenerateChunk]:
+        return self.gateway.GenerateStream(build_request(**kwargs))

@@ -1,0 +1,44 @@
+"""Router process: `specmesh serve router` (or `python -m services.router`)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from services.common import models, pool as pool_mod, serving
+from services.common.config import Settings
+from services.common.rpc import channel, start_server
+from services.router.engine import Router, TargetInfo
+from services.router.servicer import SERVICE_NAME, RouterServicer
+from specmesh.v1 import drafter_pb2_grpc, router_pb2_grpc
+
+
+def target_info(name: str, path: Path, tokenizer) -> TargetInfo:
+    config = models.load_config(path)
+    return TargetInfo(name=name, vocab_size=config.vocab_size,
+                      context_length=models.context_length(config),
+                      eos_token_ids=tuple(models.eos_token_ids(path, tokenizer)))
+
+
+async def start(settings: Settings):
+    if not settings.redis_url:
+        raise SystemExit("the router service needs the pool: set --redis-url / SPECMESH_REDIS_URL")
+    path = models.resolve(settings.model, settings.cache_dir)
+    tokenizer = models.load_tokenizer(path)
+    pool = pool_mod.connect(settings.redis_url, settings.pool_prefix)
+    drafter_channel = channel(settings.drafter_address)
+    router = Router(pool, drafter_pb2_grpc.DrafterStub(drafter_channel), tokenizer,
+                    target_info(settings.model, path, tokenizer), settings.speculation,
+                    settings.router)
+    router.start()
+    server, port = await start_server(
+        [(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(router), SERVICE_NAME)],
+        settings.host, settings.port)
+
+    async def cleanup() -> None:
+        await router.stop()
+        await drafter_channel.close()
+        await pool.close()
+    return server, port, cleanup
+
+
+def main(settings: Settings) -> None:
+    serving.run_service("router", settings, start)

@@ -1,0 +1,257 @@
+"""The local stack: `specmesh up` / `specmesh down`.
+
+`up` prepares the models once, starts a private redis-server (unless --redis-url), then the
+verifier and drafter (which load models), the router and the gateway, each a `specmesh serve
+ROLE` child process, and waits for each to answer grpc.health.v1. It then watches them: Ctrl-C,
+SIGTERM (what `down` sends) or any child dying stops everything. Children get a parent-death
+signal, so even a killed `up` leaves no orphans. `--detach` runs the same supervisor in the
+background and returns once the stack is healthy.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common import models
+from services.common.config import Settings
+from services.common.procs import child_preexec, free_port
+from services.drafter.models import draft_specs
+
+START_TIMEOUT_S = 300.0
+
+
+def state_path(settings: Settings) -> Path:
+    return settings.cache_dir / "run" / "stack.json"
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """The settings as SPECMESH_* variables (complex values as JSON, which pydantic-settings
+    parses), so children see exactly this configuration."""
+    env = {}
+    for name, value in settings.model_dump(mode="json").items():
+        if value is not None:
+            env[f"SPECMESH_{name.upper()}"] = value if isinstance(value, str) else json.dumps(value)
+    return env
+
+
+@dataclass
+class Child:
+    role: str
+    port: int
+    log: Path
+    process: subprocess.Popen
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class Stack:
+    settings: Settings
+    gateway_port: int
+    log_dir: Path
+    children: list[Child] = field(default_factory=list)
+    redis: object | None = None  # RedisServer when we started one
+
+    def start(self) -> None:
+        _prepare_models(self.settings)
+        settings = self.settings
+        if settings.redis_url is None:
+            from services.common.redis_server import RedisServer
+
+            self.redis = RedisServer(log_path=self.log_dir / "redis.log")
+            self.redis.start()
+            settings = settings.with_overrides(redis_url=self.redis.url)
+        ports = {"verifier": free_port(), "drafter": free_port(), "router": free_port(),
+                 "gateway": self.gateway_port}
+        settings = settings.with_overrides(router_address=f"127.0.0.1:{ports['router']}",
+                                           drafter_address=f"127.0.0.1:{ports['drafter']}")
+        for group in (("verifier", "drafter"), ("router",), ("gateway",)):
+            started = [self._spawn(role, ports[role], settings) for role in group]
+            for child in started:
+                self._wait_healthy(child)
+        self.settings = settings
+
+    def _spawn(self, role: str, port: int, settings: Settings) -> Child:
+        env = {**os.environ, **settings_env(settings.with_overrides(port=port))}
+        log = self.log_dir / f"{role}.log"
+        out = open(log, "w")
+        process = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", role],
+                                   stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   env=env, preexec_fn=child_preexec)
+        out.close()
+        child = Child(role, port, log, process)
+        self.children.append(child)
+        return child
+
+    def _wait_healthy(self, child: Child) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        with grpc.insecure_channel(f"127.0.0.1:{child.port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if not child.alive():
+                    raise RuntimeError(f"{child.role} exited with code {child.process.returncode}:"
+                                       f"\n{child.log_tail()}")
+                with contextlib.suppress(grpc.RpcError):
+                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                time.sleep(0.3)
+        raise RuntimeError(f"{child.role} did not become healthy in {START_TIMEOUT_S:.0f} s:\n"
+                           f"{child.log_tail()}")
+
+    def dead_child(self) -> Child | None:
+        return next((c for c in self.children if not c.alive()), None)
+
+    def stop(self) -> None:
+        for child in reversed(self.children):
+            if child.alive():
+                child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for child in reversed(self.children):
+            try:
+                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
+        if self.redis is not None:
+            self.redis.stop()
+
+    def describe(self) -> dict:
+        return {"pid": os.getpid(), "gateway": f"127.0.0.1:{self.gateway_port}",
+                "redis_url": self.settings.redis_url, "log_dir": str(self.log_dir),
+                "children": {c.role: {"pid": c.process.pid, "port": c.port} for c in self.children}}
+
+
+def _prepare_models(settings: Settings) -> None:
+    """Converts the target and named drafts once, here, with a progress bar (not 2x in children)."""
+    names = [settings.model] + [s for s in draft_specs(settings) if not s.startswith("layers:")]
+    for name in names:
+        models.resolve(name, settings.cache_dir)
+
+
+# ---------------------------------------------------------------------------------------------
+# commands
+
+
+def up(settings: Settings, port: int, detach: bool) -> int:
+    state = state_path(settings)
+    running = _read_state(state)
+    if running and _pid_alive(running["pid"]):
+        print(f"a stack is already running (pid {running['pid']}, gateway {running['gateway']}): "
+              f"`specmesh down` first", file=sys.stderr)
+        return 1
+    if detach:
+        return _up_detached(settings, port, state)
+    log_dir = settings.cache_dir / "run" / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    stack = Stack(settings, port, log_dir)
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    try:
+        print(f"starting specmesh ({settings.model}); logs in {log_dir}", flush=True)
+        stack.start()
+        state.write_text(json.dumps(stack.describe(), indent=1))
+        print(f"specmesh is up: gateway on 127.0.0.1:{port}. Try: specmesh generate \"Hello\" "
+              f"--address 127.0.0.1:{port}. Ctrl-C or `specmesh down` stops it.", flush=True)
+        while not stopping:
+            dead = stack.dead_child()
+            if dead is not None:
+                print(f"{dead.role} died (code {dead.process.returncode}); stopping:\n"
+                      f"{dead.log_tail()}", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    except RuntimeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    finally:
+        print("stopping specmesh...", flush=True)
+        stack.stop()
+        with contextlib.suppress(FileNotFoundError):
+            state.unlink()
+
+
+def _up_detached(settings: Settings, port: int, state: Path) -> int:
+    state.parent.mkdir(parents=True, exist_ok=True)
+    log = state.parent / "up.log"
+    env = {**os.environ, **settings_env(settings)}
+    with open(log, "w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", str(port)],
+                                   stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   env=env, start_new_session=True)
+    deadline = time.monotonic() + START_TIMEOUT_S + 60
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            print(f"specmesh up failed (code {process.returncode}), see {log}:\n"
+                  f"{log.read_text()[-2000:]}", file=sys.stderr)
+            return 1
+        running = _read_state(state)
+        if running and running["pid"] == process.pid:
+            print(f"specmesh is up: gateway on {running['gateway']} (supervisor pid {process.pid}, "
+                  f"log {log}). `specmesh down` stops it.")
+            return 0
+        time.sleep(0.5)
+    process.terminate()
+    print(f"specmesh up timed out, see {log}", file=sys.stderr)
+    return 1
+
+
+def down(settings: Settings) -> int:
+    state = state_path(settings)
+    running = _read_state(state)
+    if not running:
+        print("no specmesh stack is running")
+        return 0
+    pid = running["pid"]
+    if _pid_alive(pid):
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while _pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    for info in running["children"].values():  # in case the supervisor could not
+        if _pid_alive(info["pid"]):
+            os.kill(info["pid"], signal.SIGKILL)
+    with contextlib.suppress(FileNotFoundError):
+        state.unlink()
+    print("specmesh stopped")
+    return 0
+
+
+def _read_state(state: Path) -> dict | None:
+    try:
+        return json.loads(state.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie child of ours counts as gone
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return True

@@ -1,0 +1,49 @@
+"""Verifier process: `specmesh serve verifier` (or `python -m services.verifier`)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from services.common import models, pool as pool_mod, serving
+from services.common.config import Settings
+from services.common.lm import CausalLM
+from services.common.rpc import start_server
+from services.verifier.engine import VerifierEngine
+from services.verifier.servicer import SERVICE_NAME, VerifierServicer
+from services.verifier.worker import VerifierWorker, default_name
+from specmesh.v1 import verifier_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def load_target(settings: Settings) -> CausalLM:
+    dtype = models.resolve_dtype(settings.dtype)
+    path = models.resolve(settings.model, settings.cache_dir)
+    lm = CausalLM(models.load_model(path, dtype), settings.model)
+    log.info("target %s: %d layers, %s", settings.model, lm.num_layers, dtype)
+    return lm
+
+
+async def start(settings: Settings):
+    if not settings.redis_url:
+        raise SystemExit("the verifier service needs the pool: set --redis-url / SPECMESH_REDIS_URL")
+    executor = serving.compute_executor()
+    lm = await asyncio.get_running_loop().run_in_executor(executor, load_target, settings)
+    pool = pool_mod.connect(settings.redis_url, settings.pool_prefix)
+    engine = VerifierEngine(lm, settings.verifier.name or default_name())
+    worker = VerifierWorker(engine, pool, executor, settings.verifier)
+    worker.start()
+    server, port = await start_server(
+        [(verifier_pb2_grpc.add_VerifierServicer_to_server,
+          VerifierServicer(worker, settings.model), SERVICE_NAME)],
+        settings.host, settings.port)
+
+    async def cleanup() -> None:
+        await worker.stop()
+        await pool.close()
+        executor.shutdown(wait=False, cancel_futures=True)
+    return server, port, cleanup
+
+
+def main(settings: Settings) -> None:
+    serving.run_service("verifier", settings, start)

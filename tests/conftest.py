@@ -1,0 +1,95 @@
+"""Shared fixtures.
+
+- A private redis-server for the session (never the system one on 6379), flushed before every
+  test that asks for `redis_url`.
+- The smallest real model (SmolLM2-135M-Instruct) in float32 for exact identity, its tokenizer,
+  MT-Bench prompts, and the target's own greedy outputs as the reference. Converted weights are
+  cached in ~/.cache/specmesh (SPECMESH_CACHE_DIR) across runs.
+"""
+from __future__ import annotations
+
+import pytest
+import redis
+import torch
+
+from bench.datasets import mtbench_questions
+from services.common import models
+from services.common.config import Settings
+from services.common.lm import CausalLM
+from services.common.redis_server import RedisServer
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        client.flushall()
+    finally:
+        client.close()
+    return redis_server.url
+
+
+# ---------------------------------------------------------------------------------------------
+# the real model
+MODEL = "smollm2-135m"
+
+
+@pytest.fixture(scope="session")
+def base_settings() -> Settings:
+    """Settings of the test meshes: the default model in float32."""
+    return Settings(model=MODEL, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def target_path(base_settings):
+    return models.resolve(MODEL, base_settings.cache_dir)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(target_path):
+    return models.load_tokenizer(target_path)
+
+
+@pytest.fixture(scope="session")
+def hf_target(target_path):
+    """The target as a plain transformers model (the reference)."""
+    return models.load_model(target_path, torch.float32)
+
+
+@pytest.fixture(scope="session")
+def target_lm(hf_target):
+    return CausalLM(hf_target, MODEL)
+
+
+@pytest.fixture(scope="session")
+def questions():
+    return mtbench_questions()
+
+
+@pytest.fixture(scope="session")
+def chat_prompt_ids(tokenizer, questions):
+    """chat_prompt_ids(i): token ids of MT-Bench question i (first turn) in the chat template."""
+    def ids(i: int) -> list[int]:
+        messages = [{"role": "user", "content": questions[i]["turns"][0]}]
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+    return ids
+
+
+@pytest.fixture(scope="session")
+def hf_greedy_reference(hf_target, tokenizer, chat_prompt_ids):
+    """The target's own greedy continuations (64 new tokens) of the first 20 MT-Bench questions."""
+    out = []
+    for i in range(20):
+        ids = torch.tensor([chat_prompt_ids(i)])
+        with torch.inference_mode():
+            seq = hf_target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                     max_new_tokens=64, pad_token_id=tokenizer.eos_token_id)
+        out.append(seq[0, ids.shape[1]:].tolist())
+    return out

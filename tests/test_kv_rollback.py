@@ -1,0 +1,90 @@
+"""KV rollback: after a partly rejected tree, the verifier's and the drafter's caches equal
+caches built by prefilling the accepted sequence from scratch (fp32 tolerance)."""
+import pytest
+import torch
+
+from services.common.lm import CausalLM
+from services.common.sampling import SamplingParams
+from services.common.tree import TokenTree
+from services.drafter.engine import DraftModel
+from services.verifier.engine import VerifierEngine
+from specmesh.v1 import pool_pb2
+
+ATOL = 1e-4
+
+
+def assert_same_cache(lm: CausalLM, cache, tokens):
+    """`cache` holds the same rows as a fresh prefill of `tokens`."""
+    ref = lm.new_cache()
+    lm.prefill(ref, tokens)
+    assert len(cache) == len(tokens)
+    for layer, ((k, v), (rk, rv)) in enumerate(zip(cache.tensors(), ref.tensors())):
+        assert k.shape == rk.shape, f"layer {layer}: {tuple(k.shape)} vs {tuple(rk.shape)}"
+        assert torch.allclose(k, rk, atol=ATOL), f"layer {layer} keys differ by {(k - rk).abs().max()}"
+        assert torch.allclose(v, rv, atol=ATOL), f"layer {layer} values differ by {(v - rv).abs().max()}"
+
+
+def greedy(lm: CausalLM, tokens, n):
+    cache = lm.new_cache()
+    logits = lm.prefill(cache, tokens)
+    out = []
+    for _ in range(n):
+        out.append(int(logits.argmax()))
+        logits = lm.prefill(cache, [out[-1]])
+    return out
+
+
+def test_verifier_cache_after_partly_rejected_tree(target_lm, chat_prompt_ids):
+    prompt = chat_prompt_ids(0)
+    g1, g2, g3 = greedy(target_lm, prompt, 3)
+    wrong = (g3 + 1) % target_lm.vocab_size
+    other = (g1 + 7) % target_lm.vocab_size
+    # root -> g1 -> g2 -> wrong ; root -> other ; g1 -> other
+    tree = TokenTree(tokens=(g1, other, g2, other, wrong), parents=(-1, -1, 0, 0, 2))
+    engine = VerifierEngine(target_lm)
+    state = pool_pb2.RequestState(request_id="r", prompt_ids=prompt,
+                                  sampling=SamplingParams().to_pb(), seed=0)
+    engine.load(state, [])
+    outcome = engine.verify("r", tree)
+    assert outcome.walk.tokens == [g1, g2] and outcome.walk.bonus == g3
+    assert outcome.walk.nodes == [0, 2]
+    tokens = engine.requests["r"].tokens
+    assert tokens == prompt + [g1, g2, g3]
+    assert_same_cache(target_lm, engine.requests["r"].cache, tokens[:-1])
+
+
+@pytest.fixture(scope="module")
+def draft(target_path):
+    from services.common import models
+
+    lm = CausalLM(models.load_model(target_path, torch.float32, num_layers=20), "d")
+    return DraftModel(lm, "d", "truncated")
+
+
+@pytest.mark.parametrize("accept_depth", [0, 1, 2, 3], ids=lambda d: f"accept{d}")
+def test_drafter_cache_after_partly_rejected_tree(draft, chat_prompt_ids, accept_depth):
+    prompt = chat_prompt_ids(1)
+    draft.prefill("q", prompt)
+    tree, _ = draft.draft("q", [], depth=3, width=2)
+    assert len(tree) == 6 and tree.depths() == [1, 1, 2, 2, 3, 3]
+    # accept the path to the first node at `accept_depth` (leaf level 3 has no rows yet)
+    path = tree.path_to(tree.depths().index(accept_depth)) if accept_depth else []
+    accepted = [tree.tokens[i] for i in path]
+    children = {t for t, p in zip(tree.tokens, tree.parents) if p == (path[-1] if path else -1)}
+    bonus = next(t for t in range(100, 200) if t not in children)  # a token the drafter missed
+    draft.draft("q", accepted + [bonus], depth=0, width=1)
+    state = draft.requests["q"]
+    assert state.tokens == prompt + accepted + [bonus]
+    assert_same_cache(draft.lm, state.cache, state.tokens[:-1])
+
+
+def test_drafter_chain_continues_correctly_after_rollback(draft, chat_prompt_ids):
+    """After a rollback the next draft equals one drafted from a fresh prefill."""
+    prompt = chat_prompt_ids(2)
+    draft.prefill("a", prompt)
+    tree, _ = draft.draft("a", [], depth=4, width=1)
+    new = [tree.tokens[0], 123]
+    continued, _ = draft.draft("a", new, depth=4, width=1)
+    draft.prefill("b", prompt + new)
+    fresh, _ = draft.draft("b", [], depth=4, width=1)
+    assert continued.tokens == fresh.tokens

@@ -1,0 +1,137 @@
+"""The multi-process stack over real Redis: gateway, router, drafter and verifier as separate
+processes (what `specmesh up` starts), talked to with the gRPC client SDK.
+
+Lossless greedy identity on 20 MT-Bench questions (4 in flight), invalid input rejected with
+INVALID_ARGUMENT while the services stay up, streaming = unary, seeded sampling reproducible,
+and one trace per request across all four services (exported over OTLP to a test collector).
+"""
+import asyncio
+
+import grpc
+import pytest
+
+from otlp import Collector
+from services.common.procs import free_port
+from services.stack import Stack
+from specmesh import AsyncClient, Client, InvalidRequest
+
+NUM_QUESTIONS = 20
+MAX_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def collector():
+    with Collector() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def stack(base_settings, redis_server, collector, tmp_path_factory):
+    settings = base_settings.with_overrides(
+        redis_url=redis_server.url, pool_prefix="test-stack", drafters=["layers:30"],
+        **{"speculation.depth": 2, "speculation.width": 1,
+           "telemetry.otlp_endpoint": f"127.0.0.1:{collector.port}"})
+    s = Stack(settings, free_port(), tmp_path_factory.mktemp("stack-logs"))
+    try:
+        s.start()
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture
+def client(stack):
+    with Client(f"127.0.0.1:{stack.gateway_port}", timeout=300) as c:
+        yield c
+
+
+def test_multiprocess_greedy_equals_target_generate(stack, questions, hf_greedy_reference):
+    async def run():
+        gate = asyncio.Semaphore(4)
+        async with AsyncClient(f"127.0.0.1:{stack.gateway_port}", timeout=600) as client:
+            async def one(q):
+                async with gate:
+                    return await client.chat([{"role": "user", "content": q["turns"][0]}],
+                                             max_tokens=MAX_TOKENS)
+            return await asyncio.gather(*(one(q) for q in questions[:NUM_QUESTIONS]))
+    outputs = asyncio.run(run())
+    mismatches = [i for i, (out, ref) in enumerate(zip(outputs, hf_greedy_reference))
+                  if out.token_ids != ref]
+    assert not mismatches, f"{len(mismatches)}/{NUM_QUESTIONS} differ from the target: {mismatches}"
+    assert sum(o.stats.accepted_tokens for o in outputs) > 0
+
+
+INVALID = [
+    (dict(prompt=""), "prompt is empty"),
+    (dict(prompt="word " * 9000), "prompt is too long"),
+    (dict(prompt="hi", max_tokens=0), "max_tokens must be >= 1"),
+    (dict(prompt="hi", max_tokens=-5), "max_tokens must be >= 1"),
+    (dict(prompt="hi", max_tokens=10**6), "max_tokens=1000000 is too large"),
+    (dict(prompt="hi", temperature=-1.0), "temperature must be >= 0"),
+    (dict(prompt="hi", top_p=0.0), "top_p must be in (0, 1]"),
+    (dict(prompt="hi", top_p=1.5), "top_p must be in (0, 1]"),
+    (dict(prompt="hi", top_k=-1), "top_k must be >= 0"),
+    (dict(prompt="hi", model="gpt-9"), "unknown model 'gpt-9'"),
+    (dict(messages=[]), "messages is empty"),
+    (dict(messages=[{"role": "wizard", "content": "x"}]), "unknown chat role 'wizard'"),
+    (dict(prompt="hi", stop=[""]), "stop sequences must be non-empty"),
+]
+
+
+@pytest.mark.parametrize("kwargs,message", INVALID, ids=[m for _, m in INVALID])
+def test_bad_input_is_invalid_argument_and_services_stay_up(client, kwargs, message):
+    call = client.chat if "messages" in kwargs else client.generate
+    arg = kwargs.pop("messages") if "messages" in kwargs else kwargs.pop("prompt")
+    with pytest.raises(InvalidRequest) as err:
+        call(arg, **kwargs)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in err.value.message
+    ok = client.generate("The sky is", max_tokens=3)
+    assert len(ok.token_ids) >= 1
+
+
+def test_stream_equals_unary_and_stats_are_filled(client):
+    unary = client.generate("Here is a short poem about the sea:", max_tokens=24)
+    chunks = list(client.stream("Here is a short poem about the sea:", max_tokens=24))
+    assert "".join(c.text for c in chunks) == unary.text
+    assert [t for c in chunks for t in c.token_ids] == unary.token_ids
+    assert [c.finish_reason for c in chunks].count(None) == len(chunks) - 1
+    last = chunks[-1]
+    assert last.finish_reason == unary.finish_reason == "length"
+    s = unary.stats
+    assert s.completion_tokens == 24 and s.steps >= 1 and s.prompt_tokens > 0
+    assert s.mean_accepted_length == pytest.approx(1 + s.accepted_tokens / s.steps)
+    assert s.draft_tokens >= s.accepted_tokens and s.total_time_s >= s.time_to_first_token_s
+
+
+def test_stop_sequence_ends_the_text(client):
+    out = client.generate("Count: 1, 2, 3, 4, 5, 6, 7, 8,", max_tokens=40, stop=["12"])
+    assert "12" not in out.text and out.finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible(client):
+    a = client.generate("Once upon a time", max_tokens=20, temperature=1.0, seed=5)
+    b = client.generate("Once upon a time", max_tokens=20, temperature=1.0, seed=5)
+    c = client.generate("Once upon a time", max_tokens=20, temperature=1.0, seed=6)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def test_one_trace_spans_all_services(client, collector):
+    out = client.generate("Traces:", max_tokens=6)
+    def complete(spans):
+        ids = {s.trace_id for s in spans if s.attributes.get("specmesh.request_id") == out.request_id}
+        services = {s.service for s in spans if s.trace_id in ids}
+        return {"specmesh-gateway", "specmesh-router", "specmesh-drafter",
+                "specmesh-verifier"} <= services
+    spans = collector.wait_for(complete)
+    trace_ids = {s.trace_id for s in spans if s.attributes.get("specmesh.request_id") == out.request_id}
+    assert len(trace_ids) == 1, "all of a request's spans share one trace"
+    trace = [s for s in spans if s.trace_id in trace_ids]
+    services = {s.service for s in trace}
+    assert {"specmesh-gateway", "specmesh-router", "specmesh-drafter",
+            "specmesh-verifier"} <= services
+    by_id = {s.span_id: s for s in trace}
+    verifies = [s for s in trace if s.name == "verifier.verify"]
+    assert verifies and all(by_id[v.parent_id].name == "router.submit" for v in verifies), \
+        "verifier spans are children of the router span that submitted the tree to the pool"
