@@ -6,6 +6,7 @@
   specmesh down                           stop what `up` started
   specmesh models list|prepare            show / convert the installed models
   specmesh serve ROLE                     run one service (what `up`, compose and k8s start)
+  specmesh health --address HOST:PORT     grpc.health.v1 check of a running service
 
 Settings also come from SPECMESH_* environment variables (see services/common/config.py).
 """
@@ -34,7 +35,7 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft", action="append", dest="drafters", metavar="SPEC",
                    help="draft model: layers:N (the target's first N layers) or a model name/dir; "
                         "repeatable [default: the target's preset]")
-    g.add_argument("--depth", type=int, help="speculation length: draft tokens per path [4]")
+    g.add_argument("--depth", type=int, help="speculation length: draft tokens per path [3]")
     g.add_argument("--width", type=int, help="tree width: nodes kept per level, 1 = chain [1]")
     g.add_argument("--cache-dir", type=Path, help="converted weights [~/.cache/specmesh]")
     g = p.add_argument_group("operations")
@@ -182,14 +183,25 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_health(args: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(args.address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+        except grpc.RpcError as err:
+            print(f"{args.address}: {err.code().name} {err.details() or ''}".strip())
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{args.address}: {status}")
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import importlib
-    import os
 
-    # Services of one machine share its cores: OpenMP threads that spin-wait after each op
-    # (the default) starve the other processes' forward passes (4 requests in flight over a
-    # local stack ran 3.6x slower). Must be set before torch loads libgomp.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     module = {"gateway": "gateway.server"}.get(args.role, f"services.{args.role}.server")
     importlib.import_module(module).main(settings_from(args))
     return 0
@@ -243,6 +255,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("names", nargs="*", help="models to prepare [the default model]")
     p.add_argument("--cache-dir", type=Path, help="converted weights [~/.cache/specmesh]")
     p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("health", help="check a service's grpc.health.v1 status",
+                       description="Exit 0 if the service at --address answers SERVING "
+                                   "(for container health checks and scripts).")
+    p.add_argument("--address", default=f"127.0.0.1:{DEFAULT_GATEWAY_PORT}", help="host:port")
+    p.add_argument("--service", default="", help="service name, e.g. specmesh.v1.Router [all]")
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds [3]")
+    p.set_defaults(func=cmd_health)
 
     p = sub.add_parser("serve", help="run one service",
                        description="Run one service in the foreground (used by `specmesh up`, "

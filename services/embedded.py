@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from gateway.requests import ServedModel
@@ -45,8 +46,14 @@ class EmbeddedMesh:
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def start(cls, settings: Settings) -> AsyncIterator["EmbeddedMesh"]:
-        executor = serving.compute_executor()  # drafter and verifier share the cores in turn
+    async def start(cls, settings: Settings, executor: Executor | None = None
+                    ) -> AsyncIterator["EmbeddedMesh"]:
+        """Loads the models and starts the roles. All model work runs on `executor` (default: a
+        new single-thread one): drafter and verifier take the cores in turn. Pass the thread
+        other torch work of this process runs on: each thread that runs torch ops gets its own
+        OpenMP team, and two teams on the same cores slow small ops down by up to 2x."""
+        owned = executor is None
+        executor = executor or serving.compute_executor()
         loop = asyncio.get_running_loop()
         path = await loop.run_in_executor(executor, models.resolve, settings.model,
                                           settings.cache_dir)
@@ -71,7 +78,8 @@ class EmbeddedMesh:
         finally:
             await router.stop()
             await worker.stop()
-            executor.shutdown(wait=False, cancel_futures=True)
+            if owned:
+                executor.shutdown(wait=False, cancel_futures=True)
 
     async def generate(self, **kwargs) -> gateway_pb2.GenerateResponse:
         """Same keyword arguments as the SDK's build_request (prompt= or messages=, ...)."""

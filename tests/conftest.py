@@ -13,7 +13,7 @@ import redis
 import torch
 
 from bench.datasets import mtbench_questions
-from services.common import models
+from services.common import models, serving
 from services.common.config import Settings
 from services.common.lm import CausalLM
 from services.common.redis_server import RedisServer
@@ -83,13 +83,21 @@ def chat_prompt_ids(tokenizer, questions):
 
 
 @pytest.fixture(scope="session")
-def hf_greedy_reference(hf_target, tokenizer, chat_prompt_ids):
+def compute():
+    """One thread for the heavy torch work of the test process (references, embedded meshes):
+    every thread running torch ops gets its own OpenMP team, and teams compete for the cores."""
+    executor = serving.compute_executor()
+    yield executor
+    executor.shutdown(wait=True)
+
+
+@pytest.fixture(scope="session")
+def hf_greedy_reference(hf_target, tokenizer, chat_prompt_ids, compute):
     """The target's own greedy continuations (64 new tokens) of the first 20 MT-Bench questions."""
-    out = []
-    for i in range(20):
+    def generate(i: int) -> list[int]:
         ids = torch.tensor([chat_prompt_ids(i)])
         with torch.inference_mode():
             seq = hf_target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                      max_new_tokens=64, pad_token_id=tokenizer.eos_token_id)
-        out.append(seq[0, ids.shape[1]:].tolist())
-    return out
+        return seq[0, ids.shape[1]:].tolist()
+    return [compute.submit(generate, i).result() for i in range(20)]

@@ -1,6 +1,8 @@
 """Lossless, greedy, embedded mode: on the first 20 MT-Bench questions, 64 new tokens,
 temperature 0, the mesh's token ids equal the target's own `generate(do_sample=False)`, 20/20,
-with a real draft tree (layer-truncated draft, width 2) and 4 requests in flight."""
+with real draft trees (width 2, depth 3) and 4 requests in flight. The draft is the target's
+full depth, so most of each tree is accepted: long accepted paths, dropped siblings and bonus
+tokens every step (partial rejection is covered by test_kv_rollback and the stack test)."""
 import asyncio
 
 from services.embedded import EmbeddedMesh
@@ -22,12 +24,13 @@ async def generate_all(mesh, questions, concurrency=4):
     return await asyncio.gather(*(one(q) for q in questions))
 
 
-def test_embedded_greedy_equals_target_generate(base_settings, questions, hf_greedy_reference):
+def test_embedded_greedy_equals_target_generate(base_settings, questions, hf_greedy_reference,
+                                               compute):
     settings = base_settings.with_overrides(
-        drafters=["layers:20"], **{"speculation.depth": 3, "speculation.width": 2})
+        drafters=["layers:30"], **{"speculation.depth": 3, "speculation.width": 2})
 
     async def run():
-        async with EmbeddedMesh.start(settings) as mesh:
+        async with EmbeddedMesh.start(settings, compute) as mesh:
             return await generate_all(mesh, questions[:NUM_QUESTIONS])
     responses = asyncio.run(run())
     identical = [list(r.token_ids) == ref for r, ref in zip(responses, hf_greedy_reference)]

@@ -28,7 +28,7 @@ def collector():
 @pytest.fixture(scope="module")
 def stack(base_settings, redis_server, collector, tmp_path_factory):
     settings = base_settings.with_overrides(
-        redis_url=redis_server.url, pool_prefix="test-stack", drafters=["layers:30"],
+        redis_url=redis_server.url, pool_prefix="test-stack", drafters=["layers:24"],
         **{"speculation.depth": 2, "speculation.width": 1,
            "telemetry.otlp_endpoint": f"127.0.0.1:{collector.port}"})
     s = Stack(settings, free_port(), tmp_path_factory.mktemp("stack-logs"))

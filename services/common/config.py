@@ -20,7 +20,7 @@ DEFAULT_GATEWAY_PORT = 50051
 class SpeculationSettings(BaseModel):
     """Fixed tree shape the router asks drafters for (adaptive sizing comes later)."""
 
-    depth: int = Field(4, ge=0, le=64, description="draft tokens per path (0 = plain decoding)")
+    depth: int = Field(3, ge=0, le=64, description="draft tokens per path (0 = plain decoding)")
     width: int = Field(1, ge=1, le=64, description="nodes kept per depth level (1 = chain)")
 
 
@@ -56,8 +56,9 @@ class Settings(BaseSettings):
         description="draft models: 'layers:N' (first N layers of the target) or a model name/dir; "
                     "empty = the target's default draft")
     speculation: SpeculationSettings = Field(default_factory=SpeculationSettings)
-    cache_dir: Path = Field(Path.home() / ".cache" / "specmesh",
-                            description="converted weights and run state")
+    cache_dir: Path = Field(Path.home() / ".cache" / "specmesh", description="converted weights")
+    run_dir: Path | None = Field(None, description="state and logs of `specmesh up` "
+                                                   "[<cache_dir>/run]")
     redis_url: str | None = Field(None, description="Redis of the pool (multi-process mode)")
     pool_prefix: str = Field("specmesh", description="key prefix of the pool in Redis")
     max_tokens_default: int = Field(256, ge=1, description="max_tokens when a request gives none")
@@ -80,6 +81,10 @@ class Settings(BaseSettings):
                 return json.loads(value)
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
+
+    @property
+    def stack_dir(self) -> Path:
+        return self.run_dir or self.cache_dir / "run"
 
     def with_overrides(self, **overrides: Any) -> "Settings":
         """A copy with the given (non-None) fields replaced; nested sections as dicts or dotted keys."""

