@@ -289,16 +289,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset")
     parser.add_argument("--name", help="output file name [the suite or configuration name]")
     args = parser.parse_args(argv)
-    if args.model:
+    suite = args.suite or (None if args.model else "issue2")
+    if suite is None:
         configs = [Config(args.model, args.draft, d, args.depth, args.width, args.mtbench,
                           args.humaneval, args.max_tokens) for d in args.dtype]
     else:
-        configs = SUITES[args.suite or "issue2"]
+        configs = SUITES[suite]
     methods = [m for m in args.methods.split(",") if m]
     unknown = set(methods) - set(METHODS)
     if unknown:
         parser.error(f"unknown methods {sorted(unknown)}: choose from {', '.join(METHODS)}")
-    name = args.name or args.suite or (configs[0].name if len(configs) == 1 else "custom")
+    name = args.name or suite or (configs[0].name if len(configs) == 1 else "custom")
     RESULTS.mkdir(parents=True, exist_ok=True)
     reports, texts = [], []
     header = (f"specmesh benchmark `{name}` — {time.strftime('%Y-%m-%d %H:%M')}, "

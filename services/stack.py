@@ -93,12 +93,12 @@ class Stack:
         settings = settings.with_overrides(router_address=f"127.0.0.1:{ports['router']}",
                                            drafter_address=f"127.0.0.1:{ports['drafter']}")
         for group in (("verifier", "drafter"), ("router",), ("gateway",)):
-            started = [self._spawn(role, ports[role], settings) for role in group]
+            started = [self.spawn(role, ports[role], settings) for role in group]
             for child in started:
-                self._wait_healthy(child)
+                self.wait_healthy(child)
         self.settings = settings
 
-    def _spawn(self, role: str, port: int, settings: Settings) -> Child:
+    def spawn(self, role: str, port: int, settings: Settings) -> Child:
         env = {**os.environ, **settings_env(settings.with_overrides(port=port))}
         if "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = str(compute_threads(role))
@@ -112,7 +112,7 @@ class Stack:
         self.children.append(child)
         return child
 
-    def _wait_healthy(self, child: Child) -> None:
+    def wait_healthy(self, child: Child) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
         with grpc.insecure_channel(f"127.0.0.1:{child.port}") as channel:
             stub = health_pb2_grpc.HealthStub(channel)

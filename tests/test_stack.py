@@ -3,17 +3,24 @@ processes (what `specmesh up` starts), talked to with the gRPC client SDK.
 
 Lossless greedy identity on 20 MT-Bench questions (4 in flight), invalid input rejected with
 INVALID_ARGUMENT while the services stay up, streaming = unary, seeded sampling reproducible,
-and one trace per request across all four services (exported over OTLP to a test collector).
+one trace per request across all four services (exported over OTLP to a test collector), a
+cancelled stream releases its request, and failures lose nothing: a killed verifier's step is
+claimed by a new one, a dead drafter only turns speculation off. The failure tests run last.
 """
 import asyncio
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+import redis
 
 from otlp import Collector
 from services.common.procs import free_port
 from services.stack import Stack
 from specmesh import AsyncClient, Client, InvalidRequest
+from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
 
 NUM_QUESTIONS = 20
 MAX_TOKENS = 64
@@ -29,7 +36,7 @@ def collector():
 def stack(base_settings, redis_server, collector, tmp_path_factory):
     settings = base_settings.with_overrides(
         redis_url=redis_server.url, pool_prefix="test-stack", drafters=["layers:24"],
-        **{"speculation.depth": 2, "speculation.width": 1,
+        **{"speculation.depth": 2, "speculation.width": 1, "verifier.claim_idle_s": 2.0,
            "telemetry.otlp_endpoint": f"127.0.0.1:{collector.port}"})
     s = Stack(settings, free_port(), tmp_path_factory.mktemp("stack-logs"))
     try:
@@ -135,3 +142,63 @@ def test_one_trace_spans_all_services(client, collector):
     verifies = [s for s in trace if s.name == "verifier.verify"]
     assert verifies and all(by_id[v.parent_id].name == "router.submit" for v in verifies), \
         "verifier spans are children of the router span that submitted the tree to the pool"
+
+
+def wait_until(predicate, timeout=60.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def child(stack, role):
+    return next(c for c in reversed(stack.children) if c.role == role)
+
+
+def verifier_info(stack):
+    with grpc.insecure_channel(f"127.0.0.1:{child(stack, 'verifier').port}") as channel:
+        return verifier_pb2_grpc.VerifierStub(channel).Info(verifier_pb2.VerifierInfoRequest(),
+                                                            timeout=5)
+
+
+def pool_keys(stack, kind):
+    with redis.Redis.from_url(stack.settings.redis_url) as r:
+        return r.keys(f"{stack.settings.pool_prefix}:{kind}:*")
+
+
+def test_cancelled_stream_releases_the_request(stack, client):
+    stream = client.stream("Write a very long story about a dragon.", max_tokens=400)
+    assert next(stream).token_ids
+    stream.close()  # the client goes away mid-generation
+    wait_until(lambda: not pool_keys(stack, "req"), what="the pool state to be dropped")
+    wait_until(lambda: verifier_info(stack).active_requests == 0,
+               what="the verifier to free the request's KV cache")
+
+
+def test_killed_verifier_loses_nothing(stack, questions, hf_greedy_reference):
+    """A verifier dies mid-request; a new one claims the unacknowledged tree, re-prefills from the
+    pool's durable state, and the output is still the target's own."""
+    messages = [{"role": "user", "content": questions[0]["turns"][0]}]
+    with Client(f"127.0.0.1:{stack.gateway_port}", timeout=300) as c, \
+            ThreadPoolExecutor(1) as pool:
+        future = pool.submit(c.chat, messages, max_tokens=MAX_TOKENS)
+        wait_until(lambda: pool_keys(stack, "tok") and verifier_info(stack).steps > 3,
+                   what="generation to start")
+        old = child(stack, "verifier")
+        old.process.send_signal(signal.SIGKILL)
+        old.process.wait()
+        stack.wait_healthy(stack.spawn("verifier", free_port(), stack.settings))
+        out = future.result(timeout=300)
+    assert out.token_ids == hf_greedy_reference[0]
+    assert verifier_info(stack).prefills >= 1, "the new verifier rebuilt the cache from the pool"
+
+
+def test_dead_drafter_turns_speculation_off_without_losing_output(stack, client, questions,
+                                                                  hf_greedy_reference):
+    drafter = child(stack, "drafter")
+    drafter.process.send_signal(signal.SIGKILL)
+    drafter.process.wait()
+    out = client.chat([{"role": "user", "content": questions[1]["turns"][0]}],
+                      max_tokens=MAX_TOKENS)
+    assert out.token_ids == hf_greedy_reference[1]
+    assert out.stats.draft_tokens == 0 and out.stats.steps == len(out.token_ids)

@@ -2,8 +2,9 @@
 start-up with health checking, and in-process stubs for the embedded mode.
 
 Mapping: ValueError -> INVALID_ARGUMENT, LookupError (KeyError, unknown request/model) ->
-NOT_FOUND, Overloaded -> RESOURCE_EXHAUSTED, a downstream gRPC error -> its own status,
-anything else -> INTERNAL (logged with its stack).
+NOT_FOUND, Overloaded -> RESOURCE_EXHAUSTED, TimeoutError (a backend did not answer) ->
+UNAVAILABLE, a downstream gRPC error -> its own status, anything else -> INTERNAL (logged with
+its stack).
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.NOT_FOUND, str(exc.args[0]) if exc.args else repr(exc)
     if isinstance(exc, Overloaded):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, TimeoutError):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 

