@@ -171,8 +171,7 @@ def up(settings: Settings, port: int, detach: bool) -> int:
         return 1
     if detach:
         return _up_detached(settings, port, state)
-    log_dir = settings.stack_dir / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = settings.stack_dir / "logs"  # Stack.start creates it
     stack = Stack(settings, port, log_dir)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))

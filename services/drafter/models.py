@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 
-
 from services.common import models
 from services.common.config import Settings
 from services.common.lm import CausalLM
