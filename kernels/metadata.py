@@ -1,0 +1,104 @@
+"""Per-forward metadata of a packed tree-attention batch (`TreeBatch`), built once per forward.
+
+The verifier passes the same five index tensors (qo_indptr, kv_indptr, kv_slots, tree_mask,
+mask_indptr) to the attention of every layer. Turning them into Python ints, per-segment masks
+and kernel work tables costs host syncs and small allocations, so it is done once here and
+reused by every layer: `tree_attention_torch`, `tree_attention_triton` and the decomposed
+kernels all accept `meta=TreeBatch.build(...)`; without it they build one per call.
+
+Layout (see kernels/__init__.py): segment s owns query rows qo[s]:qo[s + 1] (n_s rows) and KV
+positions 0 .. kv_len_s - 1 at slots kv_slots[kv[s]:kv[s + 1]]; the first kv_len_s - n_s are
+its committed prefix (always visible), the last n_s its new rows (visible under the tree mask).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True, eq=False)
+class TreeBatch:
+    """Index data of one packed batch of S segments, as Python ints plus device tensors."""
+
+    qo: list[int]  # [S + 1] query rows of segment s: qo[s] .. qo[s + 1] - 1
+    kv: list[int]  # [S + 1] kv_slots range of segment s: kv[s] .. kv[s + 1] - 1
+    mask_off: list[int]  # [S + 1] start of segment s's [n_s, n_s] block in tree_mask
+    kv_slots: torch.Tensor  # [sum kv_len] int64 slot of each segment position
+    tree_mask: torch.Tensor  # [sum n_s^2] bool, row-major [n_s, n_s] blocks
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)  # derived tables
+
+    @staticmethod
+    def build(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_slots: torch.Tensor,
+              tree_mask: torch.Tensor, mask_indptr: torch.Tensor) -> TreeBatch:
+        """Validates the index tensors (cheap, host-side) and converts them once."""
+        qo, kv, mk = qo_indptr.tolist(), kv_indptr.tolist(), mask_indptr.tolist()
+        assert len(qo) == len(kv) == len(mk) >= 2, "indptr tensors must be [S + 1], S >= 1"
+        assert qo[0] == kv[0] == mk[0] == 0, "indptr tensors must start at 0"
+        assert tree_mask.dtype == torch.bool and tree_mask.dim() == 1, "tree_mask: flat bool"
+        assert kv_slots.dim() == 1 and not kv_slots.is_floating_point(), "kv_slots: flat int"
+        assert kv[-1] == kv_slots.numel() and mk[-1] == tree_mask.numel(), "indptr ends"
+        for s in range(len(qo) - 1):
+            n, kv_len = qo[s + 1] - qo[s], kv[s + 1] - kv[s]
+            assert 0 <= n <= kv_len, f"segment {s}: {n} new rows but kv_len {kv_len}"
+            assert mk[s + 1] - mk[s] == n * n, f"segment {s}: mask block is not [{n}, {n}]"
+        return TreeBatch(qo=qo, kv=kv, mask_off=mk, kv_slots=kv_slots.long(), tree_mask=tree_mask)
+
+    # sizes ------------------------------------------------------------------------------------
+    @property
+    def num_segments(self) -> int:
+        return len(self.qo) - 1
+
+    @property
+    def num_rows(self) -> int:
+        """T, the total number of new (query) rows."""
+        return self.qo[-1]
+
+    def n(self, s: int) -> int:
+        """New rows of segment s."""
+        return self.qo[s + 1] - self.qo[s]
+
+    def kv_len(self, s: int) -> int:
+        """KV positions of segment s (prefix + new rows)."""
+        return self.kv[s + 1] - self.kv[s]
+
+    def prefix_len(self, s: int) -> int:
+        """Committed prefix positions of segment s (visible to all its rows)."""
+        return self.kv_len(s) - self.n(s)
+
+    def tree_block(self, s: int) -> torch.Tensor:
+        """Segment s's tree mask: [n_s, n_s] bool."""
+        n = self.n(s)
+        return self.tree_mask[self.mask_off[s]:self.mask_off[s + 1]].view(n, n)
+
+    # derived tables (built on first use, cached for the forward) -------------------------------
+    def sdpa_masks(self) -> list[torch.Tensor | None]:
+        """Per segment the SDPA bool mask [n_s, kv_len_s] (True = attend), or None when the
+        segment is a causal chain without prefix (SDPA's is_causal is then exact and cheaper)."""
+        if "sdpa" not in self._cache:
+            self._cache["sdpa"] = [self._sdpa_mask(s) for s in range(self.num_segments)]
+        return self._cache["sdpa"]
+
+    def _sdpa_mask(self, s: int) -> torch.Tensor | None:
+        n, prefix, block = self.n(s), self.prefix_len(s), self.tree_block(s)
+        if prefix == 0 and torch.equal(block, _causal(n, block.device)):
+            return None
+        mask = torch.ones(n, prefix + n, dtype=torch.bool, device=block.device)
+        mask[:, prefix:] = block
+        return mask
+
+    def tree_mask_u8(self) -> torch.Tensor:
+        """The tree mask as uint8 [sum n_s^2] (what the Triton kernels load)."""
+        if "u8" not in self._cache:
+            self._cache["u8"] = self.tree_mask.to(torch.uint8)
+        return self._cache["u8"]
+
+    def cached(self, key, make):
+        """Returns self._cache[key], computing it with make() on first use (kernel tables)."""
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+
+def _causal(n: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril()

@@ -1,0 +1,109 @@
+"""Tree attention over a packed, ragged batch: reference, CPU serving path, Triton kernel.
+
+The verifier's packed forward (services/verifier/packed.py) calls one of these once per layer,
+after writing the new rows' K/V into the cache. Each segment's query rows attend the segment's
+committed prefix (all of it) and its own new rows (under the tree mask), read from the cache
+through the segment's slot list. Layout: see kernels/__init__.py.
+
+- `tree_attention_ref`: float32, explicit scores / mask / softmax per segment (the oracle).
+- `tree_attention_torch`: SDPA per segment in the input dtype (the CPU serving path).
+- `tree_attention_triton`: one launch of kernels/triton_kernels.py:tree_attn_kernel over
+  (segment q-block, KV head) work items; triton is imported on first call only.
+All three return o: [T, H, D] in q's dtype; the fast two accept `meta=TreeBatch.build(...)`
+built once per forward.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.metadata import TreeBatch
+
+LOG2E = 1.4426950408889634
+
+
+def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: TreeBatch) -> None:
+    """Shape / dtype / device asserts shared by every attention entry point."""
+    assert q.dim() == 3 and k_cache.dim() == 3, "q: [T, H, D], k_cache: [num_slots, KVH, D]"
+    assert k_cache.shape == v_cache.shape, "k_cache and v_cache differ in shape"
+    assert q.dtype == k_cache.dtype == v_cache.dtype, "q, k_cache, v_cache dtypes differ"
+    assert q.is_floating_point(), "attention needs floating-point q/k/v"
+    assert q.shape[2] == k_cache.shape[2], "head dims of q and k_cache differ"
+    assert q.shape[1] % k_cache.shape[1] == 0, "query heads must be a multiple of KV heads"
+    assert q.shape[0] == meta.num_rows, f"q has {q.shape[0]} rows, qo_indptr says {meta.num_rows}"
+    assert q.device == k_cache.device == meta.kv_slots.device == meta.tree_mask.device, "devices"
+
+
+# ---------------------------------------------------------------------------------------------
+# reference
+def segment_mask(meta: TreeBatch, s: int) -> torch.Tensor:
+    """Segment s's visibility [n_s, kv_len_s] bool: prefix all True, then the tree block."""
+    n, prefix = meta.n(s), meta.prefix_len(s)
+    prefix_part = torch.ones(n, prefix, dtype=torch.bool, device=meta.tree_mask.device)
+    return torch.cat([prefix_part, meta.tree_block(s)], dim=1)
+
+
+def tree_attention_ref(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_slots, tree_mask,
+                       mask_indptr, scale: float) -> torch.Tensor:
+    """q: [T, H, D]; k_cache, v_cache: [num_slots, KVH, D]. Returns o: [T, H, D] (q's dtype),
+    computed in float32 with explicit scores, mask and softmax, one segment at a time."""
+    meta = TreeBatch.build(qo_indptr, kv_indptr, kv_slots, tree_mask, mask_indptr)
+    check_inputs(q, k_cache, v_cache, meta)
+    group = q.shape[1] // k_cache.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # [T, H, D]
+    for s in range(meta.num_segments):
+        slots = meta.kv_slots[meta.kv[s]:meta.kv[s + 1]]
+        k = k_cache[slots].float().repeat_interleave(group, dim=1)  # [kv_len, H, D]
+        v = v_cache[slots].float().repeat_interleave(group, dim=1)  # [kv_len, H, D]
+        qs = q[meta.qo[s]:meta.qo[s + 1]].float()  # [n, H, D]
+        scores = torch.einsum("ihd,jhd->hij", qs, k) * scale  # [H, n, kv_len]
+        scores = scores.masked_fill(~segment_mask(meta, s), float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[meta.qo[s]:meta.qo[s + 1]] = torch.einsum("hij,jhd->ihd", probs, v)
+    return out.to(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU serving path
+def tree_attention_torch(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_slots, tree_mask,
+                         mask_indptr, scale: float, meta: TreeBatch | None = None
+                         ) -> torch.Tensor:
+    """Same contract as `tree_attention_ref`, computed by SDPA per segment in q's dtype (SDPA
+    accumulates in float32 internally). One gather of all segments' K/V, then S SDPA calls."""
+    meta = meta or TreeBatch.build(qo_indptr, kv_indptr, kv_slots, tree_mask, mask_indptr)
+    check_inputs(q, k_cache, v_cache, meta)
+    gqa = q.shape[1] != k_cache.shape[1]
+    k_all = k_cache.index_select(0, meta.kv_slots)  # [sum kv_len, KVH, D]
+    v_all = v_cache.index_select(0, meta.kv_slots)  # [sum kv_len, KVH, D]
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [T, H, D]
+    for s, mask in enumerate(meta.sdpa_masks()):
+        a, b, c, d = meta.qo[s], meta.qo[s + 1], meta.kv[s], meta.kv[s + 1]
+        if a == b:
+            continue
+        # 4D inputs: torch's CPU flash kernel (3D ones fall back to the 2-3x slower math path)
+        o = F.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1)[None], k_all[c:d].transpose(0, 1)[None],
+            v_all[c:d].transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
+            scale=scale, enable_gqa=gqa)  # [1, H, n, D]
+        out[a:b] = o[0].transpose(0, 1)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton
+def tree_attention_triton(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_slots, tree_mask,
+                          mask_indptr, scale: float, meta: TreeBatch | None = None
+                          ) -> torch.Tensor:
+    """Same contract as `tree_attention_ref`, one Triton launch (CUDA, or CPU under
+    TRITON_INTERPRET=1). Work items: (segment, block of query rows) x KV head."""
+    from kernels import triton_kernels as tk  # lazy: the CPU serving path never imports triton
+
+    meta = meta or TreeBatch.build(qo_indptr, kv_indptr, kv_slots, tree_mask, mask_indptr)
+    check_inputs(q, k_cache, v_cache, meta)
+    assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1, "D contiguous"
+    assert k_cache.stride() == v_cache.stride(), "k_cache and v_cache strides differ"
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D]
+    ranges = [(s, 0, meta.kv_len(s), 0) for s in range(meta.num_segments)]
+    tk.launch_attention(q, k_cache, v_cache, meta, ranges, "whole", scale * LOG2E, out, None)
+    return out
