@@ -44,6 +44,9 @@ def to_route_request(request: gateway_pb2.GenerateRequest, model: ServedModel,
     sampling = SamplingParams.from_pb(request.sampling)
     if math.isnan(sampling.temperature) or math.isnan(sampling.top_p):
         raise ValueError("temperature and top_p must be numbers")
+    for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+        if math.isnan(getattr(sampling, name)):
+            raise ValueError(f"{name} must be a number, got NaN")
     sampling.validate()
     _check_stop(list(request.stop))
     return router_pb2.RouteRequest(request_id=request_id, prompt_ids=prompt_ids,

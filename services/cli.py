@@ -38,6 +38,18 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--depth", type=int, help="speculation length: draft tokens per path [3]")
     g.add_argument("--width", type=int, help="tree width: nodes kept per level, 1 = chain [1]")
     g.add_argument("--cache-dir", type=Path, help="converted weights [~/.cache/specmesh]")
+    g = p.add_argument_group("verifier (continuous batching, KV memory)")
+    g.add_argument("--batch-size", type=int,
+                   help="trees of different requests verified in one forward pass [8]")
+    g.add_argument("--max-batch-tokens", type=int,
+                   help="new rows per forward pass; longer prompts are prefilled in chunks [1024]")
+    g.add_argument("--kv-budget-tokens", type=int,
+                   help="KV rows for all requests together; when full, idle requests are evicted "
+                        "and re-prefilled later, new ones wait [16384]")
+    g.add_argument("--attention", choices=["auto", "torch", "triton", "flash-attn"],
+                   help="attention backend; auto = flash-attn/Triton on CUDA, torch on CPU")
+    g.add_argument("--metrics-port", type=int,
+                   help="serve the verifier's Prometheus metrics on this port")
     g = p.add_argument_group("operations")
     g.add_argument("--log-level", help="DEBUG, INFO, WARNING... [INFO]")
     g.add_argument("--otlp-endpoint", help="export traces over OTLP/gRPC, e.g. localhost:4317")
@@ -52,6 +64,15 @@ def _sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, help="nucleus mass in (0, 1] [1]")
     g.add_argument("--top-k", type=int, default=0, help="0 = off [0]")
     g.add_argument("--seed", type=int, help="same seed, same output")
+    g.add_argument("--repetition-penalty", type=float,
+                   help="> 0; divides positive (multiplies negative) logits of tokens already in "
+                        "prompt + output; > 1 discourages repeats, e.g. 1.2 [1 = off]")
+    g.add_argument("--presence-penalty", type=float,
+                   help="in [-2, 2]; subtracted once from the logit of each token already "
+                        "generated (the prompt does not count) [0 = off]")
+    g.add_argument("--frequency-penalty", type=float,
+                   help="in [-2, 2]; subtracted from a token's logit per time it was already "
+                        "generated (the prompt does not count) [0 = off]")
     g.add_argument("--stop", action="append", help="stop sequence (repeatable)")
     g.add_argument("--chat", action="store_true",
                    help="send the prompt as a user chat message (the model's chat template)")
@@ -67,12 +88,19 @@ def settings_from(args: argparse.Namespace) -> Settings:
         drafter_address=get("drafter_address"),
         **{"speculation.depth": get("depth"), "speculation.width": get("width"),
            "telemetry.otlp_endpoint": get("otlp_endpoint"),
-           "telemetry.console": get("trace_console")})
+           "telemetry.console": get("trace_console"),
+           "verifier.batch_size": get("batch_size"),
+           "verifier.max_batch_tokens": get("max_batch_tokens"),
+           "verifier.kv_budget_tokens": get("kv_budget_tokens"),
+           "verifier.attention": get("attention"), "verifier.metrics_port": get("metrics_port")})
 
 
 def _request_kwargs(args: argparse.Namespace) -> dict:
     kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                  top_k=args.top_k, seed=args.seed, stop=args.stop)
+                  top_k=args.top_k, seed=args.seed, stop=args.stop,
+                  repetition_penalty=args.repetition_penalty,
+                  presence_penalty=args.presence_penalty,
+                  frequency_penalty=args.frequency_penalty)
     if args.chat:
         kwargs["messages"] = [{"role": "user", "content": args.prompt}]
     else:

@@ -26,8 +26,7 @@ from services.drafter.models import build_draft_models
 from services.drafter.servicer import DrafterServicer
 from services.router.engine import Router, TargetInfo
 from services.router.servicer import RouterServicer
-from services.verifier.engine import VerifierEngine
-from services.verifier.server import load_target
+from services.verifier.server import build_engine, load_target
 from services.verifier.worker import VerifierWorker
 from specmesh import build_request
 from specmesh.v1 import gateway_pb2
@@ -61,7 +60,7 @@ class EmbeddedMesh:
         target = await loop.run_in_executor(executor, load_target, settings)
         drafts = await loop.run_in_executor(executor, build_draft_models, settings)
         pool = MemoryPool()
-        worker = VerifierWorker(VerifierEngine(target, "verifier-embedded"), pool, executor,
+        worker = VerifierWorker(build_engine(target, settings, "verifier-embedded"), pool, executor,
                                 settings.verifier)
         drafter = DrafterServicer(drafts, executor)
         info = TargetInfo(settings.model, target.vocab_size, target.context_length,

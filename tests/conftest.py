@@ -8,6 +8,10 @@
 """
 from __future__ import annotations
 
+import os
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and "TRITON_INTERPRET" not in os.environ:
+    os.environ["TRITON_INTERPRET"] = "1"  # no GPU here: Triton kernels run in its interpreter
+
 import pytest
 import redis
 import torch

@@ -431,7 +431,13 @@ def test_k8s_model_deployment(monkeypatch, manifests, role):
     settings = k8s_settings(monkeypatch, manifests, role)
     assert settings.host == "0.0.0.0"
     assert str(settings.cache_dir) == dockerfile_env()["SPECMESH_CACHE_DIR"]
-    assert [p["containerPort"] for p in container["ports"]] == [settings.port]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["grpc"] == settings.port
+    if settings.verifier.metrics_port is not None:  # Prometheus scrape target
+        assert ports["metrics"] == settings.verifier.metrics_port
+        annotations = deployment["spec"]["template"]["metadata"].get("annotations", {})
+        assert annotations.get("prometheus.io/port") == str(settings.verifier.metrics_port)
+    assert set(ports) <= {"grpc", "metrics"}
     probes = [k for k in container if k.endswith("Probe")]
     assert {"readinessProbe", "livenessProbe"} <= set(probes)
     for probe in probes:

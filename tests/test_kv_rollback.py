@@ -24,6 +24,22 @@ def assert_same_cache(lm: CausalLM, cache, tokens):
         assert torch.allclose(v, rv, atol=ATOL), f"layer {layer} values differ by {(v - rv).abs().max()}"
 
 
+class StoreView:
+    """A request's rows in the verifier's KV store, shaped like a DynamicCache's tensors."""
+
+    def __init__(self, engine: VerifierEngine, request_id: str) -> None:
+        self.store, self.request_id = engine.store, request_id
+
+    def __len__(self) -> int:
+        return self.store.length(self.request_id)
+
+    def tensors(self):
+        slots = self.store.slots(self.request_id, 0, len(self))
+        return [(self.store.k[layer, slots].transpose(0, 1)[None],
+                 self.store.v[layer, slots].transpose(0, 1)[None])
+                for layer in range(self.store.k.shape[0])]
+
+
 def greedy(lm: CausalLM, tokens, n):
     cache = lm.new_cache()
     logits = lm.prefill(cache, tokens)
@@ -50,7 +66,7 @@ def test_verifier_cache_after_partly_rejected_tree(target_lm, chat_prompt_ids):
     assert outcome.walk.nodes == [0, 2]
     tokens = engine.requests["r"].tokens
     assert tokens == prompt + [g1, g2, g3]
-    assert_same_cache(target_lm, engine.requests["r"].cache, tokens[:-1])
+    assert_same_cache(target_lm, StoreView(engine, "r"), tokens[:-1])
 
 
 @pytest.fixture(scope="module")

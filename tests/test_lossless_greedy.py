@@ -1,6 +1,6 @@
 """Lossless, greedy, embedded mode: on the first 20 MT-Bench questions, 64 new tokens,
 temperature 0, the mesh's token ids equal the target's own `generate(do_sample=False)`, 20/20,
-with real draft trees (width 2, depth 3) and 4 requests in flight. The draft is the target's
+with real draft trees (width 2, depth 3) and 8 requests in flight, verified in batches. The draft is the target's
 full depth, so most of each tree is accepted: long accepted paths, dropped siblings and bonus
 tokens every step (partial rejection is covered by test_kv_rollback and the stack test)."""
 import asyncio
@@ -15,7 +15,7 @@ def messages(question):
     return [{"role": "user", "content": question["turns"][0]}]
 
 
-async def generate_all(mesh, questions, concurrency=4):
+async def generate_all(mesh, questions, concurrency=8):
     gate = asyncio.Semaphore(concurrency)
 
     async def one(q):

@@ -45,7 +45,7 @@ def test_first_token_distribution_matches_target_softmax(target_lm, chat_prompt_
     compiled, logits = tree_logits(target_lm, prompt, TokenTree.chain([drafted, second]))
     counts = torch.zeros_like(probs)
     for seed in range(SEEDS):
-        result = walk(compiled, logits, Sampler(HOT, seed), len(prompt) - 1)
+        result = walk(compiled, logits, Sampler(HOT, seed, len(prompt)), list(prompt))
         counts[result.tokens[0] if result.tokens else result.bonus] += 1
     obs, exp = binned(counts, probs * SEEDS)
     assert chisquare(obs, exp).pvalue > 0.01
@@ -63,5 +63,5 @@ def test_engine_verify_makes_the_walks_draws(target_lm, chat_prompt_ids):
                                       seed=seed)
         engine.load(state, [])
         outcome = engine.verify("s", tree)
-        expected = walk(compiled, logits, Sampler(HOT, seed), len(prompt) - 1)
+        expected = walk(compiled, logits, Sampler(HOT, seed, len(prompt)), list(prompt))
         assert (outcome.walk.tokens, outcome.walk.bonus) == (expected.tokens, expected.bonus)

@@ -31,13 +31,27 @@ def build_request(
     top_k: int = 0,
     seed: int | None = None,
     stop: Sequence[str] | str | None = None,
+    repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
 ) -> gateway_pb2.GenerateRequest:
-    """Builds the gateway request; the gateway validates the values and explains what is wrong."""
+    """Builds the gateway request; the gateway validates the values and explains what is wrong.
+
+    Penalties (unset = off) apply to the target's logits before temperature / top-k / top-p,
+    also at temperature 0: repetition_penalty (> 0, 1 = off; HF semantics over prompt +
+    generated tokens), presence_penalty and frequency_penalty (in [-2, 2], 0 = off; OpenAI
+    semantics over generated tokens only)."""
     sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k)
     if top_p is not None:
         sampling.top_p = top_p
     if seed is not None:
         sampling.seed = seed
+    if repetition_penalty is not None:
+        sampling.repetition_penalty = repetition_penalty
+    if presence_penalty is not None:
+        sampling.presence_penalty = presence_penalty
+    if frequency_penalty is not None:
+        sampling.frequency_penalty = frequency_penalty
     if isinstance(stop, str):
         stop = [stop]
     request = gateway_pb2.GenerateRequest(model=model, sampling=sampling, stop=list(stop or []))
@@ -83,7 +97,8 @@ class Client:
 
     `generate(prompt, ...)` takes raw text (no chat template); `chat(messages, ...)` formats
     messages with the model's chat template; `stream(...)` yields chunks as tokens are accepted.
-    Keyword arguments: model, max_tokens, temperature (0 = greedy), top_p, top_k, seed, stop.
+    Keyword arguments: model, max_tokens, temperature (0 = greedy), top_p, top_k, seed, stop,
+    repetition_penalty, presence_penalty, frequency_penalty (see `build_request`).
     """
 
     def __init__(self, address: str, *, timeout: float | None = None,

@@ -32,7 +32,15 @@ class TelemetrySettings(BaseModel):
 
 
 class VerifierSettings(BaseModel):
-    batch_size: int = Field(8, ge=1, description="trees pulled from the pool per step")
+    batch_size: int = Field(8, ge=1, description="trees verified together in one forward pass")
+    max_batch_tokens: int = Field(1024, ge=1, description="new rows per forward pass (trees + "
+                                  "prefill chunks); long prompts are prefilled in chunks")
+    kv_budget_tokens: int = Field(16384, ge=16, description="KV rows held for all requests; when "
+                                  "full, idle requests are evicted and re-prefilled later")
+    kv_block_size: int = Field(16, ge=1, description="KV allocation unit (rows)")
+    attention: Literal["auto", "torch", "triton", "flash-attn"] = Field(
+        "auto", description="attention backend: auto = flash-attn/Triton on CUDA, torch on CPU")
+    metrics_port: int | None = Field(None, ge=0, description="serve Prometheus metrics here")
     claim_idle_s: float = Field(30.0, gt=0, description="re-claim drafts unacknowledged this long")
     name: str = Field("", description="consumer name in the pool (default: verifier-<pid>)")
 

@@ -1,5 +1,10 @@
 """Sampling parameters and the per-position sampler applied to the target's logits.
 
+Processing order (as HF `generate`): penalties (repetition over prompt + generated tokens, then
+presence / frequency over generated tokens), then temperature, top-k, top-p; at temperature 0 the
+argmax of the penalized logits. Penalties depend only on the tokens before the sampled position
+(the history), so the walk stays lossless as long as it passes the path's own history.
+
 Randomness is counter-based: the draw for output position p of a request comes from a generator
 seeded with (request seed, p). The same seed therefore gives the same tokens whatever the tree
 shape, the drafter, or which verifier replica (re-)verifies a step, and draws at different
@@ -8,6 +13,8 @@ positions are independent, which the lossless walk needs.
 from __future__ import annotations
 
 import hashlib
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +28,9 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus mass in (0, 1]
     top_k: int = 0  # 0 = off
     seed: int | None = None
+    repetition_penalty: float = 1.0  # HF semantics over prompt + generated; 1 = off, > 0
+    presence_penalty: float = 0.0  # OpenAI semantics over generated tokens; 0 = off, [-2, 2]
+    frequency_penalty: float = 0.0  # OpenAI semantics over generated tokens; 0 = off, [-2, 2]
 
     def validate(self) -> None:
         """Raises ValueError with a message that says what to fix."""
@@ -32,6 +42,20 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off, > 1 "
+                             f"discourages repeats, e.g. 1.1-1.3), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2 <= value <= 2:  # also rejects NaN
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off, > 0 discourages repeats), "
+                                 f"got {value}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty is on (then sampling needs the token history)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
 
     @property
     def greedy(self) -> bool:
@@ -39,16 +63,52 @@ class SamplingParams:
 
     @classmethod
     def from_pb(cls, pb: common_pb2.SamplingParams) -> "SamplingParams":
-        return cls(temperature=pb.temperature, top_p=pb.top_p if pb.HasField("top_p") else 1.0,
-                   top_k=pb.top_k,
-                   seed=pb.seed if pb.HasField("seed") else None)
+        def opt(name: str, default):
+            return getattr(pb, name) if pb.HasField(name) else default
+        return cls(temperature=pb.temperature, top_p=opt("top_p", 1.0), top_k=pb.top_k,
+                   seed=opt("seed", None), repetition_penalty=opt("repetition_penalty", 1.0),
+                   presence_penalty=opt("presence_penalty", 0.0),
+                   frequency_penalty=opt("frequency_penalty", 0.0))
 
     def to_pb(self) -> common_pb2.SamplingParams:
+        """Penalties that are off stay unset on the wire."""
         pb = common_pb2.SamplingParams(temperature=self.temperature, top_p=self.top_p,
                                        top_k=self.top_k)
         if self.seed is not None:
             pb.seed = self.seed
+        if self.repetition_penalty != 1.0:
+            pb.repetition_penalty = self.repetition_penalty
+        if self.presence_penalty != 0.0:
+            pb.presence_penalty = self.presence_penalty
+        if self.frequency_penalty != 0.0:
+            pb.frequency_penalty = self.frequency_penalty
         return pb
+
+
+def apply_penalties(logits: torch.Tensor, history: torch.Tensor | Sequence[int], prompt_len: int,
+                    params: SamplingParams) -> torch.Tensor:
+    """Penalized copy (float32) of one logits row [V], given every token before the sampled
+    position (`history`: prompt + generated, the first `prompt_len` being the prompt).
+
+    - repetition_penalty p (HF `RepetitionPenaltyLogitsProcessor`): for each distinct token of
+      the whole history, logit / p if logit >= 0 else logit * p;
+    - presence / frequency (OpenAI, vLLM): over the generated tokens only, with c = occurrences,
+      logit -= presence * [c > 0] + frequency * c.
+    The input row is not modified.
+    """
+    out = logits.float().clone()
+    history = torch.as_tensor(history, dtype=torch.long)
+    p = params.repetition_penalty
+    if p != 1.0 and history.numel():
+        ids = torch.unique(history)
+        seen = out[ids]
+        out[ids] = torch.where(seen < 0, seen * p, seen / p)
+    if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
+        generated = history[prompt_len:]
+        if generated.numel():
+            ids, counts = torch.unique(generated, return_counts=True)
+            out[ids] -= params.presence_penalty + params.frequency_penalty * counts.float()
+    return out
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -78,14 +138,32 @@ def position_seed(seed: int, position: int) -> int:
 
 
 class Sampler:
-    """Draws one token from a logits row for a given output position of one request."""
+    """Draws one token from a logits row for a given output position of one request.
 
-    def __init__(self, params: SamplingParams, seed: int):
+    prompt_len: tokens of the request's prompt (presence / frequency penalties count only the
+    tokens after it)."""
+
+    def __init__(self, params: SamplingParams, seed: int, prompt_len: int = 0):
         self.params = params
         self.seed = seed
+        self.prompt_len = prompt_len
 
-    def sample(self, logits: torch.Tensor, position: int) -> int:
-        """logits: [V]. Greedy: argmax (first index on ties, as torch/HF). Else a seeded draw."""
+    @property
+    def needs_history(self) -> bool:
+        """Whether `sample` reads `history` (some penalty is on); otherwise it may be None."""
+        return self.params.penalized
+
+    def sample(self, logits: torch.Tensor, position: int,
+               history: torch.Tensor | Sequence[int] | None = None) -> int:
+        """logits: [V], the target's logits for sequence index `position`; history: ALL tokens
+        before it (prompt + generated + the tree path above the sampled node), so
+        len(history) == position. Penalties, then greedy: argmax (first index on ties, as
+        torch/HF), else a seeded draw."""
+        if self.params.penalized:
+            if history is None or len(history) != position:
+                raise ValueError(f"penalties need the {position} tokens before position "
+                                 f"{position}, got {'none' if history is None else len(history)}")
+            logits = apply_penalties(logits, history, self.prompt_len, self.params)
         if self.params.greedy:
             return int(torch.argmax(logits))
         probs = probabilities(logits, self.params)

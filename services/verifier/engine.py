@@ -1,21 +1,35 @@
-"""Verifier engine: per-request target KV caches, prefill, one-pass tree verification, rollback.
+"""Verifier engine: continuous batching of tree verification over one packed forward pass.
 
-Plain Python over torch (no gRPC, no Redis): the worker feeds it entries from the pool, the
-servicer from RPCs, tests call it directly. Cache convention: rows hold every token of the
-request except the last one (the root of the next tree), so a step runs "root + tree" in one
-forward pass and keeps the root's and the accepted nodes' rows.
+Plain Python over torch (no gRPC, no Redis): the worker feeds it batches of pool entries, tests
+call it directly. Each `step` takes trees of different requests and:
+1. admits them under a token budget (rows per pass) and the KV memory budget: when the KV store
+   is full, requests not in the batch are evicted least-recently-used first (their KV freed; the
+   next step that needs them re-prefills prompt + accepted tokens), and what still does not fit
+   is deferred to a later step, never dropped;
+2. builds one segment per request: the tokens not yet in the KV store as a causal chain (first
+   sight, re-prefill after eviction; long ones split into chunks over steps), then root + tree;
+3. runs ONE forward of the target over all segments (services/verifier/packed.py);
+4. walks each tree with the request's sampler (services/verifier/walk.py) and commits: the
+   root's and the accepted path's rows are compacted in place, the rest rolled back.
+
+Cache convention: the KV store holds rows for every token of a request except the last one (the
+root of the next tree), so a step runs "root + tree" and keeps the root and the accepted nodes.
 """
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from services.common.lm import CausalLM, KVCache
+from kernels.backend import AttentionBackend, select_attention_backend
+from services.common.lm import CausalLM
 from services.common.sampling import Sampler, SamplingParams
-from services.common.tree import TokenTree, compile_tree
+from services.common.tree import CompiledTree, TokenTree, compile_tree
+from services.verifier.cost import VerifyCostModel
+from services.verifier.kv import KVStore
+from services.verifier.packed import PackedTarget, Segment
 from services.verifier.walk import WalkResult, walk
 from specmesh.v1 import pool_pb2
 
@@ -24,12 +38,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RequestKV:
-    """A request as the verifier holds it."""
+    """A request as the verifier holds it (its KV rows live in the KVStore)."""
 
     state: pool_pb2.RequestState
     sampler: Sampler
-    cache: KVCache  # rows for tokens[:-1]
     tokens: list[int]  # prompt + generated
+    last_used: float = field(default_factory=time.monotonic)
 
     @property
     def generated(self) -> int:
@@ -40,52 +54,218 @@ class RequestKV:
 class StepOutcome:
     walk: WalkResult
     tree_size: int
+    seconds: float  # the whole batched step this tree was verified in
+    batch_size: int = 1
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What a step did with one item: an outcome, an error, or deferred to a later step."""
+
+    request_id: str
+    outcome: StepOutcome | None = None
+    error: str | None = None
+
+    @property
+    def deferred(self) -> bool:
+        return self.outcome is None and self.error is None
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Shape and cost of one batched step (the verify-cost model's observation)."""
+
+    rows: int  # new rows in the forward pass
+    context: int  # KV positions attention read (sum over segments of prefix + new rows)
+    segments: int  # requests in the pass
+    trees: int  # of which verified a tree (the others prefilled a chunk)
     seconds: float
 
 
+@dataclass(frozen=True)
+class EngineLimits:
+    kv_budget_tokens: int = 16384  # KV rows held for all requests together
+    block_size: int = 16  # KV allocation unit (rows)
+    max_batch_tokens: int = 1024  # new rows per forward pass (trees + prefill chunks)
+    max_batch_trees: int = 64  # requests per forward pass
+
+
+@dataclass
+class _Planned:
+    req: RequestKV
+    request_id: str
+    tree: TokenTree | None  # None: a prefill chunk only
+    segment: Segment
+    compiled: CompiledTree | None = None
+
+
 class VerifierEngine:
-    def __init__(self, lm: CausalLM, name: str = "verifier") -> None:
+    def __init__(self, lm: CausalLM, name: str = "verifier", limits: EngineLimits | None = None,
+                 backend: AttentionBackend | None = None) -> None:
         self.lm = lm
         self.name = name
+        self.limits = limits or EngineLimits()
+        self.backend = backend or select_attention_backend(lm.device)
+        cfg = lm.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.store = KVStore(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim,
+                             self.limits.kv_budget_tokens, self.limits.block_size, lm.dtype,
+                             lm.device, compact=self.backend.compact)
+        self.target = PackedTarget(lm.model, self.store, self.backend)
         self.requests: dict[str, RequestKV] = {}
+        self.cost = VerifyCostModel()
+        self.steps = 0
+        self.last_step: StepStats | None = None
+        self.prefill_rows = 0
+        self.evictions = 0
 
     # request lifecycle ------------------------------------------------------------------------
     def ready_for(self, request_id: str, base_len: int) -> bool:
-        """Whether the cache of `request_id` is at exactly `base_len` generated tokens."""
+        """Whether the engine holds `request_id` at exactly `base_len` generated tokens."""
         req = self.requests.get(request_id)
         return req is not None and req.generated == base_len
 
     def load(self, state: pool_pb2.RequestState, generated: list[int]) -> None:
-        """(Re)builds a request's cache by prefilling prompt + generated (all but the last token)."""
+        """(Re)registers a request at prompt + generated; its KV is (re)built by the next step."""
         tokens = list(state.prompt_ids) + list(generated)
         if not tokens:
             raise ValueError(f"request {state.request_id} has an empty prompt")
-        cache = self.lm.new_cache()
-        self.lm.prefill(cache, tokens[:-1])
-        sampler = Sampler(SamplingParams.from_pb(state.sampling), state.seed)
-        self.requests[state.request_id] = RequestKV(state, sampler, cache, tokens)
+        self._keep_common_rows(state.request_id, tokens)
+        sampler = Sampler(SamplingParams.from_pb(state.sampling), state.seed,
+                          prompt_len=len(state.prompt_ids))
+        self.requests[state.request_id] = RequestKV(state, sampler, tokens)
+
+    def _keep_common_rows(self, request_id: str, tokens: list[int]) -> None:
+        """Keeps the KV rows a re-registered request shares with what the engine held (e.g. the
+        pool moved it back to an earlier step); frees the rest."""
+        old = self.requests.get(request_id)
+        common = 0
+        if old is not None:
+            limit = min(len(old.tokens), len(tokens) - 1, self.store.length(request_id))
+            while common < limit and old.tokens[common] == tokens[common]:
+                common += 1
+        if common == 0:
+            self.store.free(request_id)
+            return
+        self.store.set_length(request_id, common)
+        self.store.truncate_blocks(request_id)
 
     def release(self, request_id: str) -> bool:
+        self.store.free(request_id)
         return self.requests.pop(request_id, None) is not None
+
+    def cached(self, request_id: str) -> int:
+        """KV rows the store holds for the request."""
+        return self.store.length(request_id)
 
     # verification -----------------------------------------------------------------------------
     def verify(self, request_id: str, tree: TokenTree) -> StepOutcome:
-        """Verifies `tree` below the request's last token; commits the accepted path + bonus."""
+        """Verifies one tree alone (steps until it is not deferred, i.e. through prefill chunks)."""
+        while True:
+            (result,) = self.step([(request_id, tree)])
+            if result.error:
+                raise ValueError(result.error)
+            if result.outcome:
+                return result.outcome
+
+    def step(self, items: list[tuple[str, TokenTree]]) -> list[StepResult]:
+        """Verifies trees of distinct requests in one forward pass; one result per item.
+
+        Requests holding KV rows go first (they may evict idle ones to grow); requests without
+        (new, or evicted earlier) are admitted in order while free memory lasts, never by
+        evicting: the first that does not fit stops admission for this step (no starvation)."""
         start = time.perf_counter()
+        results: dict[int, StepResult] = {}
+        planned: dict[int, _Planned] = {}
+        budget, admitting = self.limits.max_batch_tokens, True
+        order = sorted(range(len(items)), key=lambda i: (self.store.length(items[i][0]) == 0, i))
+        for i in order:
+            request_id, tree = items[i]
+            running = self.store.length(request_id) > 0
+            if len(planned) >= self.limits.max_batch_trees or not (running or admitting):
+                results[i] = StepResult(request_id)  # deferred
+                continue
+            try:
+                plan = self._plan(request_id, tree, budget, list(planned.values()), running)
+            except (KeyError, ValueError) as err:
+                msg = err.args[0] if isinstance(err, ValueError) else f"unknown request {err}"
+                results[i] = StepResult(request_id, error=str(msg))
+                continue
+            if plan is None:
+                results[i] = StepResult(request_id)  # deferred
+                admitting = admitting and running
+                continue
+            planned[i] = plan
+            budget -= plan.segment.num_rows
+        if planned:
+            logits = self.target.forward([p.segment for p in planned.values()])
+            seconds = time.perf_counter() - start
+            trees = sum(1 for p in planned.values() if p.tree is not None)
+            for (i, plan), rows in zip(planned.items(), logits):
+                results[i] = self._commit(plan, rows, seconds, trees)
+            self._observe(list(planned.values()), trees, seconds)
+        return [results[i] for i in range(len(items))]
+
+    # planning ---------------------------------------------------------------------------------
+    def _plan(self, request_id: str, tree: TokenTree, budget: int, in_batch: list[_Planned],
+              may_evict: bool) -> _Planned | None:
         req = self.requests[request_id]
+        if any(p.request_id == request_id for p in in_batch):
+            return None  # one tree per request per step: the other waits
         tree.check_vocab(self.lm.vocab_size)
         tree = self._fit_context(tree, len(req.tokens))
-        root_position = len(req.tokens) - 1  # == len(req.cache)
-        compiled = compile_tree(tree, req.tokens[-1])
-        visible = torch.cat([torch.ones(compiled.num_rows, root_position, dtype=torch.bool),
-                             compiled.ancestors], dim=1)
-        logits = self.lm.forward(req.cache, compiled.tokens, root_position + compiled.depths,
-                                 visible)
-        result = walk(compiled, logits, req.sampler, root_position)
-        # KV rollback: keep the root's row and the accepted path's rows, drop the other nodes.
-        req.cache.keep(root_position, [root_position + r for r in [0, *result.rows]])
-        req.tokens.extend([*result.tokens, result.bonus])
-        return StepOutcome(result, len(tree), time.perf_counter() - start)
+        total = len(req.tokens) + len(tree)  # positions after this step's rows
+        if total > self.store.capacity:
+            raise ValueError(f"request needs {total} KV rows but the verifier's KV budget is "
+                             f"{self.store.capacity} (raise verifier.kv_budget_tokens)")
+        cached = self.store.length(request_id)
+        chain = req.tokens[cached:-1]
+        rows = len(chain) + 1 + len(tree)
+        if rows <= budget or not in_batch:
+            if not self._make_room(request_id, total, in_batch, may_evict):
+                return None
+            compiled = compile_tree(tree, req.tokens[-1])
+            segment = self._segment(request_id, req, cached, compiled)
+            return _Planned(req, request_id, tree, segment, compiled)
+        if chain and budget > 0:  # the prefill does not fit: a chunk of it now, the rest later
+            end = cached + min(len(chain), budget)
+            if not self._make_room(request_id, end, in_batch, may_evict):
+                return None
+            seg = _chain_segment(request_id, req.tokens[cached:end], cached)
+            return _Planned(req, request_id, None, seg)
+        return None
+
+    def _segment(self, request_id: str, req: RequestKV, cached: int, compiled: CompiledTree
+                 ) -> Segment:
+        chain = req.tokens[cached:-1]
+        c, m = len(chain), compiled.num_rows
+        mask = torch.zeros(c + m, c + m, dtype=torch.bool)
+        mask[:c, :c] = torch.ones(c, c, dtype=torch.bool).tril()
+        mask[c:, :c] = True
+        mask[c:, c:] = compiled.ancestors
+        root = len(req.tokens) - 1
+        positions = torch.cat([torch.arange(cached, root), root + compiled.depths])
+        tokens = torch.cat([torch.tensor(chain, dtype=torch.long), compiled.tokens])
+        return Segment(request_id, cached, tokens, positions, mask, logits_from=c)
+
+    def _make_room(self, request_id: str, positions: int, in_batch: list[_Planned],
+                   may_evict: bool) -> bool:
+        """Reserves KV for `positions`; a running request may evict idle ones (least recently
+        used first: they re-prefill when their next tree comes). False: deferred."""
+        if self.store.reserve(request_id, positions):
+            return True
+        if not may_evict:
+            return False
+        busy = {p.request_id for p in in_batch} | {request_id}
+        victims = sorted((r for r in self.requests.items() if r[0] not in busy
+                          and self.store.length(r[0]) > 0), key=lambda r: r[1].last_used)
+        for victim_id, _ in victims:
+            self.store.free(victim_id)
+            self.evictions += 1
+            log.info("KV budget full: evicted %s (re-prefilled when it comes back)", victim_id)
+            if self.store.reserve(request_id, positions):
+                return True
+        return False  # deferred until requests in flight finish
 
     def _fit_context(self, tree: TokenTree, length: int) -> TokenTree:
         """Drops nodes whose position would fall outside the model's context."""
@@ -98,21 +278,70 @@ class VerifierEngine:
         return TokenTree(tuple(tree.tokens[i] for i in keep),
                          tuple(remap.get(tree.parents[i], -1) for i in keep))
 
+    # commit -----------------------------------------------------------------------------------
+    def _commit(self, plan: _Planned, logits: torch.Tensor, seconds: float, trees: int
+                ) -> StepResult:
+        req, seg = plan.req, plan.segment
+        req.last_used = time.monotonic()
+        self.prefill_rows += seg.logits_from
+        if plan.tree is None:  # prefill chunk
+            self.store.set_length(plan.request_id, seg.start + seg.num_rows)
+            return StepResult(plan.request_id)
+        root = len(req.tokens) - 1
+        result = walk(plan.compiled, logits, req.sampler, req.tokens)
+        self.store.commit(plan.request_id, root, [0, *result.rows])
+        req.tokens.extend([*result.tokens, result.bonus])
+        return StepResult(plan.request_id, StepOutcome(result, len(plan.tree), seconds, trees))
+
+    def _observe(self, planned: list[_Planned], trees: int, seconds: float) -> None:
+        rows = sum(p.segment.num_rows for p in planned)
+        context = sum(p.segment.start + p.segment.num_rows for p in planned)
+        self.last_step = StepStats(rows, context, len(planned), trees, seconds)
+        self.cost.observe(rows, context, len(planned), seconds)
+        self.steps += 1
+
+    # pool entries -----------------------------------------------------------------------------
+    def step_entries(self, entries: list[pool_pb2.DraftEntry]
+                     ) -> list[tuple[pool_pb2.VerifyResult, list[int]] | None]:
+        """Verifies pool entries (requests loaded at entry.base_len) in one step: per entry the
+        result and the tokens to append to the request's state, or None if deferred."""
+        items, out = [], []
+        for entry in entries:
+            try:
+                items.append((entry.request_id, TokenTree.from_pb(entry.tree)))
+            except ValueError as err:
+                items.append((entry.request_id, err))
+        valid = [(i, it) for i, it in enumerate(items) if isinstance(it[1], TokenTree)]
+        stepped = dict(zip((i for i, _ in valid), self.step([it for _, it in valid])))
+        for i, entry in enumerate(entries):
+            result = pool_pb2.VerifyResult(request_id=entry.request_id, step=entry.step,
+                                           base_len=entry.base_len, verifier=self.name)
+            step = stepped.get(i)
+            if step is None or step.error:
+                result.error = str(items[i][1]) if step is None else step.error
+                out.append((result, []))
+            elif step.deferred:
+                out.append(None)
+            else:
+                w = step.outcome.walk
+                result.accepted.extend(w.tokens)
+                result.accepted_nodes.extend(w.nodes)
+                result.bonus = w.bonus
+                result.tree_size = step.outcome.tree_size
+                result.verify_seconds = step.outcome.seconds
+                out.append((result, [*w.tokens, w.bonus]))
+        return out
+
     def verify_entry(self, entry: pool_pb2.DraftEntry) -> tuple[pool_pb2.VerifyResult, list[int]]:
-        """Verifies a pool entry (its request loaded at entry.base_len); returns the result and
-        the tokens to append to the request's state. Malformed trees give an error result."""
-        result = pool_pb2.VerifyResult(request_id=entry.request_id, step=entry.step,
-                                       base_len=entry.base_len, verifier=self.name)
-        try:
-            tree = TokenTree.from_pb(entry.tree)
-            outcome = self.verify(entry.request_id, tree)
-        except ValueError as err:
-            result.error = str(err)
-            return result, []
-        w = outcome.walk
-        result.accepted.extend(w.tokens)
-        result.accepted_nodes.extend(w.nodes)
-        result.bonus = w.bonus
-        result.tree_size = outcome.tree_size
-        result.verify_seconds = outcome.seconds
-        return result, [*w.tokens, w.bonus]
+        """One entry alone (through prefill chunks)."""
+        while True:
+            (done,) = self.step_entries([entry])
+            if done is not None:
+                return done
+
+
+def _chain_segment(request_id: str, tokens: list[int], start: int) -> Segment:
+    n = len(tokens)
+    return Segment(request_id, start, torch.tensor(tokens, dtype=torch.long),
+                   torch.arange(start, start + n), torch.ones(n, n, dtype=torch.bool).tril(),
+                   logits_from=n)

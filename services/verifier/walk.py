@@ -1,12 +1,19 @@
 """The lossless walk (DESIGN.md): sample the target at each node, descend while the sample is
 one of the node's children, emit the first sample that is not as the bonus token.
 
-Every emitted token is a draw from the target's own (processed) distribution at its position,
-so the output distribution is exactly the target's at any temperature; at temperature 0 the
-walk reproduces the target's greedy decoding token for token. Drafts need no probabilities.
+Every emitted token is a draw from the target's own processed distribution at its position
+(penalties, then temperature / top-k / top-p; argmax at temperature 0), so the output
+distribution is exactly the target's at any temperature; at temperature 0 the walk reproduces
+the target's greedy decoding token for token. Drafts need no probabilities.
+
+Penalties (repetition, presence, frequency) depend only on the tokens before the sampled
+position. The walk samples a row only after accepting every node above it, so that history is
+the committed sequence plus the accepted path so far: exactly what the target would have seen
+decoding alone, and the processed distribution at each row is the target's own.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,19 +34,30 @@ class WalkResult:
         return [r - 1 for r in self.rows]
 
 
-def walk(tree: CompiledTree, logits: torch.Tensor, sampler: Sampler, root_position: int
+def walk(tree: CompiledTree, logits: torch.Tensor, sampler: Sampler, tokens: Sequence[int]
          ) -> WalkResult:
     """logits: [n + 1, V], row i = target logits after compiled row i.
-    root_position: sequence index of the root; a row at depth d samples index root_position + d + 1.
+    tokens: the request's committed sequence (prompt + generated); the root is tokens[-1] at
+    sequence index len(tokens) - 1, and a row at depth d samples index len(tokens) + d with
+    history tokens + the d accepted tokens above it.
     """
     assert logits.shape[0] == tree.num_rows, "one logits row per compiled tree row"
-    row, rows, tokens = 0, [], []
+    assert len(tokens) > 0 and int(tree.tokens[0]) == tokens[-1], "the root is tokens[-1]"
+    base = len(tokens)
+    history = None
+    if sampler.needs_history:  # one buffer: committed tokens, then the path as it is accepted
+        history = torch.empty(base + int(tree.depths.max()), dtype=torch.long)
+        history[:base] = torch.as_tensor(tokens, dtype=torch.long)
+    row, rows, accepted = 0, [], []
     while True:
         depth = int(tree.depths[row])
-        y = sampler.sample(logits[row], root_position + depth + 1)
+        y = sampler.sample(logits[row], base + depth,
+                           None if history is None else history[:base + depth])
         child = next((c for c in tree.children[row] if int(tree.tokens[c]) == y), None)
         if child is None:
-            return WalkResult(rows, tokens, y)
+            return WalkResult(rows, accepted, y)
         rows.append(child)
-        tokens.append(y)
+        accepted.append(y)
+        if history is not None:
+            history[base + depth] = y
         row = child

@@ -1,9 +1,12 @@
-"""Verifier worker: the loop between the pool and the engine.
+"""Verifier worker: the loop between the pool and the engine, with continuous batching.
 
-Pulls drafts (claiming ones a dead verifier left unacknowledged), makes sure the request's cache
-is at the entry's base (re-prefilling from the pool's durable state if it is not: first sight,
-eviction, or a crash elsewhere), verifies on the compute thread, and completes the entry in the
-pool atomically. Follows the release feed to drop finished requests' caches.
+Each step pulls up to `batch_size` drafts (claiming ones a dead verifier left unacknowledged),
+registers requests it has not seen at the entry's base from the pool's durable state (first
+sight, or a crash elsewhere; the engine prefills them inside the step), verifies all of them in
+one batched forward on the compute thread, and completes each entry in the pool atomically.
+Entries the engine defers (token or KV budget) stay in a local backlog for the next step, so
+requests join and leave between steps and nothing is dropped. Follows the release feed to drop
+finished requests' caches.
 """
 from __future__ import annotations
 
@@ -13,12 +16,14 @@ import os
 import time
 from concurrent.futures import Executor
 
+from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from services.common import telemetry
 from services.common.config import VerifierSettings
 from services.common.pool import Pool, Taken
 from services.verifier.engine import VerifierEngine
+from services.verifier.metrics import VerifierMetrics
 
 log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)
@@ -26,8 +31,9 @@ tracer = telemetry.tracer(__name__)
 
 class VerifierWorker:
     def __init__(self, engine: VerifierEngine, pool: Pool, executor: Executor,
-                 settings: VerifierSettings) -> None:
+                 settings: VerifierSettings, metrics: VerifierMetrics | None = None) -> None:
         self.engine = engine
+        self.metrics = metrics or VerifierMetrics()
         self.pool = pool
         self.executor = executor
         self.settings = settings
@@ -51,21 +57,29 @@ class VerifierWorker:
     # loops ------------------------------------------------------------------------------------
     async def _verify_loop(self) -> None:
         next_claim = 0.0
+        backlog: list[Taken] = []
+        wait = 1.0
         while True:
             try:
-                batch: list[Taken] = []
+                # always look for new drafts, even with a backlog: deferred entries may be
+                # waiting for KV that only the requests behind them in the pool will free
+                count = self.settings.batch_size
+                fresh: list[Taken] = []
                 if time.monotonic() >= next_claim:
-                    batch = await self.pool.claim_stale(self.name, self.settings.claim_idle_s,
-                                                        self.settings.batch_size)
+                    fresh = await self.pool.claim_stale(self.name, self.settings.claim_idle_s,
+                                                        count)
                     next_claim = time.monotonic() + self.settings.claim_idle_s / 2
-                if not batch:
-                    batch = await self.pool.take(self.name, self.settings.batch_size, block_s=1.0)
-                for taken in batch:
-                    await self.process(taken)
+                if not fresh:
+                    fresh = await self.pool.take(self.name, count, block_s=wait)
+                batch = backlog + fresh
+                backlog = await self.step(batch)
+                # nothing could run (all deferred): wait a little for drafts instead of spinning
+                wait = 1.0 if not backlog else (0.05 if len(backlog) == len(batch) else 0.0)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - keep serving; the entry is re-claimed later
+            except Exception:  # noqa: BLE001 - keep serving; the entries are re-claimed later
                 log.exception("verifier step failed")
+                backlog = []
                 await asyncio.sleep(0.5)
 
     async def _release_loop(self) -> None:
@@ -73,39 +87,78 @@ class VerifierWorker:
         while True:
             try:
                 cursor, ids = await self.pool.releases(cursor, block_s=1.0)
-                for request_id in ids:
-                    self.engine.release(request_id)
+                for request_id in ids:  # on the compute thread: never under a running step
+                    await self._run(self.engine.release, request_id)
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001
                 log.exception("release feed failed")
                 await asyncio.sleep(0.5)
 
-    # one entry --------------------------------------------------------------------------------
-    async def process(self, taken: Taken) -> None:
+    # one step ---------------------------------------------------------------------------------
+    async def step(self, batch: list[Taken]) -> list[Taken]:
+        """Verifies `batch` in one engine step; returns the entries deferred to the next one."""
+        ready = [t for t in batch if await self._ensure_loaded(t)]
+        if not ready:
+            return []
+        spans = [self._span(t, len(ready)) for t in ready]
+        try:
+            done = await self._run(self.engine.step_entries, [t.entry for t in ready])
+        except BaseException as err:
+            for span in spans:
+                span.record_exception(err)
+                span.end()
+            raise
+        self._observe(done)
+        deferred, completions = [], []
+        for taken, span, out in zip(ready, spans, done):
+            if out is None:
+                span.set_attribute("specmesh.deferred", True)
+                span.end()
+                deferred.append(taken)
+            else:
+                completions.append(self._complete(taken, span, *out))
+        await asyncio.gather(*completions)
+        return deferred
+
+    def _observe(self, done) -> None:
+        stats = self.engine.last_step
+        if stats is None:
+            return
+        results = [out[0] for out in done if out is not None and not out[0].error]
+        self.metrics.observe_step(self.engine, stats, sum(r.tree_size for r in results),
+                                  sum(len(r.accepted) for r in results))
+
+    def _span(self, taken: Taken, batch_size: int):
         entry = taken.entry
-        parent = telemetry.extract(entry.trace_context)
-        with tracer.start_as_current_span("verifier.verify", context=parent) as span:
-            span.set_attributes({"specmesh.request_id": entry.request_id,
-                                 "specmesh.step": entry.step, "specmesh.tree_size":
-                                 len(entry.tree.tokens), "specmesh.deliveries": taken.deliveries})
-            if not self.engine.ready_for(entry.request_id, entry.base_len):
-                if not await self._load(taken):
-                    span.set_attribute("specmesh.dropped", True)
-                    return
-            result, tokens = await self._run(self.engine.verify_entry, entry)
+        span = tracer.start_span("verifier.verify", context=telemetry.extract(entry.trace_context))
+        span.set_attributes({"specmesh.request_id": entry.request_id, "specmesh.step": entry.step,
+                             "specmesh.tree_size": len(entry.tree.tokens),
+                             "specmesh.deliveries": taken.deliveries,
+                             "specmesh.batch_size": batch_size})
+        return span
+
+    async def _complete(self, taken: Taken, span, result, tokens: list[int]) -> None:
+        entry = taken.entry
+        try:
             if result.error:
                 span.set_status(Status(StatusCode.ERROR, result.error))
             span.set_attribute("specmesh.accepted", len(result.accepted))
-            result.trace_context.update(telemetry.inject())
+            with trace.use_span(span, end_on_exit=False):
+                result.trace_context.update(telemetry.inject())
             if await self.pool.complete(taken, result, tokens):
                 self.steps += 1
-            else:  # someone else applied this step: our cache may be ahead of the pool's state
-                self.engine.release(entry.request_id)
+            else:  # someone else applied this step: our state may be ahead of the pool's
+                await self._run(self.engine.release, entry.request_id)
+        finally:
+            span.end()
 
-    async def _load(self, taken: Taken) -> bool:
-        """Brings the request's cache to the entry's base from the pool; False drops the entry."""
+    async def _ensure_loaded(self, taken: Taken) -> bool:
+        """Registers the request at the entry's base from the pool if the engine is not there;
+        False drops (acknowledges) a stale entry."""
         entry = taken.entry
+        if self.engine.ready_for(entry.request_id, entry.base_len):
+            return True
         found = await self.pool.get_request(entry.request_id)
         if found is None or len(found[1]) != entry.base_len:
             log.info("dropping stale draft %s step %d of %s", taken.entry_id, entry.step,

@@ -1,0 +1,179 @@
+"""The verifier's step cost as a function of (batch, tree nodes, context length): the curve the
+router will size trees with (SSSD figures 2-3, ProPD's regression of verify time on tree size).
+
+Drives the verifier engine directly with synthetic requests: b requests of L random prompt tokens
+(prefilled once, not timed), each given a tree of n nodes per step (chains or random trees of
+random tokens). Before every step each request is re-loaded at its prompt, so the KV keeps the
+L - 1 prefix rows and the step computes exactly root + tree per request. The median step seconds
+(`engine.last_step`, what the engine's own cost model observes) is reported per cell, and every
+timed step feeds a VerifyCostModel (services/verifier/cost.py, uniform weights here) whose fit
+seconds ~ b0 + b_rows * rows + b_context * context + b_segments * segments is printed with its
+error, plus the SSSD-style cost relative to n = 0 (verifying only the root).
+
+    python -m bench.verify_cost                                  # both models, bf16 (~15 min)
+    python -m bench.verify_cost --models smollm2-135m --quick    # smoke run, < 3 min
+    python -m bench.verify_cost --tree chain --lengths 256,2048 --batches 1,2,4,8,16
+Writes bench/results/verify-cost-<model>-<dtype>.json and .md (run it alone on the machine).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import asdict
+
+import torch
+from tqdm.auto import tqdm
+
+from bench.batch import MODELS, header, random_tree
+from bench.run import RESULTS
+from services.common.config import Settings
+from services.common.serving import compute_executor
+from services.common.tree import TokenTree
+from services.verifier.cost import VerifyCostModel
+from specmesh.v1 import common_pb2, pool_pb2
+
+FULL = {"lengths": "128,512,1024", "batches": "1,4,8", "nodes": "0,1,3,7,15,31,63", "reps": 7}
+QUICK = {"lengths": "128,512", "batches": "1,8", "nodes": "0,3,15,63", "reps": 3}
+WARMUP = 1  # untimed steps per cell (new shapes)
+
+
+def build(model: str, dtype: str, batch: int, length: int, nodes: int):
+    """The target and an engine sized for `batch` requests of `length` + a tree of `nodes`."""
+    from services.verifier.server import build_engine, load_target
+
+    rows = batch * (length + nodes + 1)
+    settings = Settings(model=model, dtype=dtype).with_overrides(**{
+        "verifier.batch_size": batch,
+        "verifier.max_batch_tokens": max(1024, batch * (nodes + 1)),
+        "verifier.kv_budget_tokens": max(16384, rows + batch * 64)})
+    lm = load_target(settings)
+    if length + nodes + 1 > lm.context_length:
+        raise SystemExit(f"{model}: context {lm.context_length} < {length} + {nodes} + 1")
+    return lm, build_engine(lm, settings, "bench-verify-cost")
+
+
+def make_tree(shape: str, n: int, vocab: int, gen: torch.Generator) -> TokenTree:
+    if shape == "chain":
+        return TokenTree.chain(torch.randint(0, vocab, (n,), generator=gen).tolist())
+    return random_tree(n, vocab, gen)
+
+
+def measure(engine, vocab: int, lengths: list[int], batches: list[int], nodes: list[int],
+            reps: int, shape: str, seed: int = 0) -> list[dict]:
+    """Median step seconds for every (L, b, n); longest contexts first, so each shorter L is a
+    truncation of the KV already there (the prompts share their prefix)."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (max(batches), max(lengths)), generator=gen).tolist()
+    ids = [f"cost-{j}" for j in range(max(batches))]
+
+    def state(j: int, length: int) -> pool_pb2.RequestState:
+        return pool_pb2.RequestState(request_id=ids[j], prompt_ids=tokens[j][:length],
+                                     sampling=common_pb2.SamplingParams())
+
+    for j in range(len(ids)):  # prefill once at the longest context (chunked steps, not timed)
+        engine.load(state(j, max(lengths)), [])
+    while any(r.deferred for r in engine.step([(i, TokenTree()) for i in ids])):
+        pass
+    cells = []
+    grid = [(L, b, n) for L in sorted(lengths, reverse=True) for b in batches for n in nodes]
+    for L, b, n in tqdm(grid, desc="verify cost", leave=False):
+        samples, stats = [], None
+        for rep in range(WARMUP + reps):
+            for j in range(b):
+                engine.load(state(j, L), [])
+            items = [(ids[j], make_tree(shape, n, vocab, gen)) for j in range(b)]
+            results = engine.step(items)
+            assert all(r.outcome for r in results), [r.error for r in results]
+            stats = engine.last_step
+            assert stats.rows == b * (n + 1), "the step computed more than root + tree"
+            if rep >= WARMUP:
+                samples.append(stats.seconds)
+        cells.append({"length": L, "batch": b, "nodes": n, "rows": stats.rows,
+                      "context": stats.context, "segments": stats.segments,
+                      "median_s": statistics.median(samples), "samples_s": samples})
+    return cells
+
+
+def fit(cells: list[dict]) -> tuple[dict, float]:
+    """Fits the verify-cost model on every timed step; (coefficients, mean |relative error| of
+    its prediction of the cell medians)."""
+    model = VerifyCostModel(decay=1.0, window=100_000, min_samples=4)
+    for c in cells:
+        for s in c["samples_s"]:
+            model.observe(c["rows"], c["context"], c["segments"], s)
+    result = model.fit()
+    errors = [abs(result.predict(c["rows"], c["context"], c["segments"]) / c["median_s"] - 1)
+              for c in cells]
+    return asdict(result), statistics.mean(errors)
+
+
+def markdown(report: dict) -> str:
+    cells = {(c["length"], c["batch"], c["nodes"]): c for c in report["cells"]}
+    lengths = sorted({k[0] for k in cells})
+    batches = sorted({k[1] for k in cells})
+    nodes = sorted({k[2] for k in cells})
+    cols = [(b, L) for b in batches for L in lengths]
+    head = "| n \\ b, L | " + " | ".join(f"b={b} L={L}" for b, L in cols) + " |"
+    rule = "|---:|" + "---:|" * len(cols)
+    ms = [f"| {n} | " + " | ".join(f"{1e3 * cells[L, b, n]['median_s']:.1f}" for b, L in cols)
+          + " |" for n in nodes]
+    base = nodes[0]
+    rel = [f"| {n} | " + " | ".join(
+        f"{cells[L, b, n]['median_s'] / cells[L, b, base]['median_s']:.2f}" for b, L in cols)
+        + " |" for n in nodes]
+    f = report["fit"]
+    return "\n".join([
+        f"### {report['model']}, {report['dtype']}: verifier step cost, {report['tree']} trees "
+        f"of n nodes per request, median of {report['reps']} steps", "",
+        "ms per step (b requests, context L, one tree of n nodes each):", "", head, rule, *ms, "",
+        f"Relative cost vs n={base} (SSSD figure 3 style):", "", head, rule, *rel, "",
+        f"Fit over {f['samples']} steps: seconds = {1e3 * f['intercept_s']:.2f} ms "
+        f"{1e6 * f['per_row_s']:+.1f} us x rows {1e6 * f['per_context_s']:+.3f} us x context "
+        f"{1e3 * f['per_segment_s']:+.2f} ms x segments (rows = b(n+1), context = b(L+n), "
+        f"segments = b); mean |relative error| on the cells {100 * report['fit_error']:.0f}%.",
+        ""])
+
+
+def run(model: str, dtype: str, args) -> dict:
+    lengths, batches, nodes = (sorted(int(x) for x in v.split(",") if x)
+                               for v in (args.lengths, args.batches, args.nodes))
+    lm, engine = build(model, dtype, max(batches), max(lengths), max(nodes))
+    cells = measure(engine, lm.vocab_size, lengths, batches, nodes, args.reps, args.tree)
+    coefficients, error = fit(cells)
+    return {"model": model, "dtype": dtype, "tree": args.tree, "reps": args.reps,
+            "attention": engine.backend.name, "cells": cells, "fit": coefficients,
+            "fit_error": error}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(MODELS), help=f"[{','.join(MODELS)}]")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--tree", choices=("random", "chain"), default="random",
+                        help="tree shape: random recursive trees or chains [random]")
+    parser.add_argument("--lengths", help=f"context lengths L [{FULL['lengths']}]")
+    parser.add_argument("--batches", help=f"requests per step b [{FULL['batches']}]")
+    parser.add_argument("--nodes", help=f"tree nodes per request n [{FULL['nodes']}]")
+    parser.add_argument("--reps", type=int, help=f"timed steps per cell [{FULL['reps']}]")
+    parser.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK}")
+    args = parser.parse_args(argv)
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    compute = compute_executor()  # all torch work on one thread (one OpenMP team)
+    for model in (m for m in args.models.split(",") if m):
+        report = compute.submit(run, model, args.dtype, args).result()
+        text = markdown(report)
+        print(text, flush=True)
+        name = f"verify-cost-{model}-{args.dtype}"
+        (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=1))
+        (RESULTS / f"{name}.md").write_text(header("verify cost", args.quick) + "\n" + text)
+        print(f"written: {RESULTS / name}.json, .md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,79 @@
+"""Verify-cost model: the measured cost of one verifier step as a function of its shape.
+
+SSSD (section 3.2, figures 2-3) shows the forward-pass time growing quasi-linearly in the number
+of new rows (b * s_q, batch times speculation length) until the compute-bound threshold, plus a
+term in the context length read by attention; ProPD (4.2) fits T_est(n) = b0 + b1 * n by a
+recency-weighted regression over measured steps. We fit the same kind of model over three
+features of a step, with exponentially decaying weights so the curve follows load changes:
+
+    seconds ~= b0 + b_rows * rows + b_context * context + b_segments * segments
+
+rows = new rows in the pass (tree nodes + roots + prefill chunks), context = KV positions read
+by attention (sum over segments of prefix + new rows), segments = requests in the batch. The
+router (issue 5) sizes trees with `predict`; `specmesh`'s Info RPC and metrics export the fit.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+FEATURES = ("rows", "context", "segments")
+
+
+@dataclass(frozen=True)
+class CostFit:
+    intercept_s: float
+    per_row_s: float
+    per_context_s: float
+    per_segment_s: float
+    samples: int
+
+    def predict(self, rows: float, context: float, segments: float) -> float:
+        return (self.intercept_s + self.per_row_s * rows + self.per_context_s * context
+                + self.per_segment_s * segments)
+
+
+class VerifyCostModel:
+    """Recency-weighted ridge regression of step seconds on (rows, context, segments)."""
+
+    def __init__(self, decay: float = 0.99, window: int = 1024, min_samples: int = 8,
+                 ridge: float = 1e-9) -> None:
+        assert 0 < decay <= 1 and window > 0
+        self.decay = decay
+        self.min_samples = min_samples
+        self.ridge = ridge
+        self._samples: deque[tuple[float, float, float, float]] = deque(maxlen=window)
+        self._fit: CostFit | None = None
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def observe(self, rows: int, context: int, segments: int, seconds: float) -> None:
+        self._samples.append((float(rows), float(context), float(segments), float(seconds)))
+        self._fit = None
+
+    def fit(self) -> CostFit | None:
+        """The current fit, or None before `min_samples` observations."""
+        if self._fit is None and len(self._samples) >= self.min_samples:
+            self._fit = self._solve()
+        return self._fit
+
+    def predict(self, rows: int, context: int, segments: int) -> float | None:
+        fit = self.fit()
+        return None if fit is None else fit.predict(rows, context, segments)
+
+    def _solve(self) -> CostFit:
+        data = np.array(self._samples)  # [n, 4]
+        n = data.shape[0]
+        weights = self.decay ** np.arange(n - 1, -1, -1)  # newest weighs 1
+        x = np.column_stack([np.ones(n), data[:, :3]])
+        y = data[:, 3]
+        scale = np.maximum(np.abs(x).max(axis=0), 1.0)  # condition the normal equations
+        xs = x / scale
+        w = np.sqrt(weights)[:, None]
+        a = (xs * w).T @ (xs * w) + self.ridge * n * np.eye(4)
+        b = (xs * w).T @ (y * w[:, 0])
+        coef = np.linalg.solve(a, b) / scale
+        return CostFit(float(coef[0]), float(coef[1]), float(coef[2]), float(coef[3]), n)

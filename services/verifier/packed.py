@@ -1,0 +1,147 @@
+"""One forward pass of the target over a packed, ragged batch of segments.
+
+A segment is one request's new rows in a step: an optional causal chain (prefill or re-prefill
+of tokens not yet in the KV store), then the tree's root and nodes under the ancestor mask. All
+segments' rows are concatenated into one `[1, T]` input (no padding): the linear layers, MLPs and
+the LM head run once over all T rows, and attention is computed per segment over its own prefix
+(read from the KV store through its slot list) plus its own new rows.
+
+Attention is wired through `transformers`' attention-function registry (`AttentionInterface`),
+not a fork of the model code: the model runs with `attn_implementation="specmesh"`, and the batch
+metadata reaches our function as a forward keyword argument. Under that name transformers builds
+no mask and no cache (the mask is ours, the cache is `KVStore`). The model's attention
+implementation is switched to ours only for the duration of a packed forward, so the same model
+object still serves plain `generate` (tests' reference) and the single-request `CausalLM` path.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from kernels.backend import AttentionBackend
+from services.verifier.kv import KVStore
+
+log = logging.getLogger(__name__)
+
+ATTN_NAME = "specmesh"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One request's new rows in a packed forward."""
+
+    request_id: str
+    start: int  # position of the first new row (= rows already in the KV store)
+    tokens: torch.Tensor  # [n] long
+    positions: torch.Tensor  # [n] long position ids (start + index for a chain, + depth in a tree)
+    mask: torch.Tensor  # [n, n] bool: new row i may attend new row j
+    logits_from: int  # rows >= this need logits (the tree part); n = none (a prefill chunk)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """What the attention function needs, built once per forward."""
+
+    store: KVStore
+    backend: AttentionBackend
+    new_slots: torch.Tensor  # [T] slot of each new row (its K/V are written there)
+    qo_indptr: torch.Tensor  # [S + 1] new rows of segment s: qo_indptr[s] .. qo_indptr[s + 1]
+    kv_indptr: torch.Tensor  # [S + 1] kv_slots range of segment s
+    kv_slots: torch.Tensor  # [sum kv_len] slots of each segment's positions 0 .. start + n - 1
+    tree_mask: torch.Tensor  # [sum n_s^2] bool, row-major [n_s, n_s] blocks
+    mask_indptr: torch.Tensor  # [S + 1]
+
+
+def _specmesh_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                        specmesh: PackedBatch | None = None, **kwargs):
+    """transformers attention function. query: [1, H, T, D]; key/value: [1, KVH, T, D] (the new
+    rows, RoPE applied). Returns ([1, T, H, D], None)."""
+    if specmesh is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      scaling=scaling, dropout=dropout, **kwargs)
+    batch, layer = specmesh, module.layer_idx
+    k_layer, v_layer = batch.store.k[layer], batch.store.v[layer]  # [slots, KVH, D]
+    k_layer.index_copy_(0, batch.new_slots, key[0].transpose(0, 1).to(k_layer.dtype))
+    v_layer.index_copy_(0, batch.new_slots, value[0].transpose(0, 1).to(v_layer.dtype))
+    out = batch.backend.attend(query[0].transpose(0, 1), k_layer, v_layer, batch.qo_indptr,
+                               batch.kv_indptr, batch.kv_slots, batch.tree_mask,
+                               batch.mask_indptr, scaling)  # [T, H, D]
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTN_NAME, _specmesh_attention)
+
+
+class PackedTarget:
+    """The target model plus the KV store and attention backend its packed forward uses."""
+
+    def __init__(self, model, store: KVStore, backend: AttentionBackend) -> None:
+        self.model = model
+        self._configs = list({id(c): c for c in (getattr(m, "config", None) for m in
+                                                  model.modules()) if c is not None}.values())
+        self.store = store
+        self.backend = backend
+        self.device = store.k.device
+
+    @torch.inference_mode()
+    def forward(self, segments: list[Segment]) -> list[torch.Tensor]:
+        """Runs all segments in one pass (their positions reserved in the store); returns each
+        segment's logits rows from `logits_from` on: [n_s - logits_from, V] float32."""
+        batch, keep = self._build(segments)
+        saved = [c._attn_implementation for c in self._configs]
+        for c in self._configs:
+            c._attn_implementation = ATTN_NAME
+        try:
+            return self._run(segments, batch, keep)
+        finally:
+            for c, name in zip(self._configs, saved):
+                c._attn_implementation = name
+
+    def _run(self, segments: list[Segment], batch: PackedBatch, keep: torch.Tensor
+             ) -> list[torch.Tensor]:
+        tokens = torch.cat([s.tokens for s in segments]).view(1, -1).to(self.device)
+        positions = torch.cat([s.positions for s in segments]).view(1, -1).to(self.device)
+        if keep.numel() == 0:  # prefill chunks only: skip the LM head
+            self.model.model(input_ids=tokens, position_ids=positions, use_cache=False,
+                             specmesh=batch)
+            return [torch.empty(0) for _ in segments]
+        out = self.model(input_ids=tokens, position_ids=positions, use_cache=False,
+                         logits_to_keep=keep.to(self.device), specmesh=batch)
+        logits = out.logits[0].float()
+        pieces, at = [], 0
+        for s in segments:
+            n = s.num_rows - s.logits_from
+            pieces.append(logits[at:at + n])
+            at += n
+        return pieces
+
+    def _build(self, segments: list[Segment]) -> tuple[PackedBatch, torch.Tensor]:
+        store = self.store
+        new_slots, kv_slots, masks, keep = [], [], [], []
+        qo, kv, mk = [0], [0], [0]
+        for s in segments:
+            n = s.num_rows
+            assert s.mask.shape == (n, n) and s.positions.shape == (n,), "segment shapes"
+            slots = store.slots(s.request_id, 0, s.start + n)
+            kv_slots.append(slots)
+            new_slots.append(slots[s.start:])
+            masks.append(s.mask.reshape(-1))
+            keep.append(torch.arange(qo[-1] + s.logits_from, qo[-1] + n))
+            qo.append(qo[-1] + n)
+            kv.append(kv[-1] + s.start + n)
+            mk.append(mk[-1] + n * n)
+        dev = self.device
+        batch = PackedBatch(
+            store=store, backend=self.backend, new_slots=torch.cat(new_slots).to(dev),
+            qo_indptr=torch.tensor(qo, device=dev), kv_indptr=torch.tensor(kv, device=dev),
+            kv_slots=torch.cat(kv_slots).to(dev), tree_mask=torch.cat(masks).to(dev),
+            mask_indptr=torch.tensor(mk, device=dev))
+        return batch, torch.cat(keep)
