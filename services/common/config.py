@@ -22,6 +22,26 @@ class SpeculationSettings(BaseModel):
 
     depth: int = Field(3, ge=0, le=64, description="draft tokens per path (0 = plain decoding)")
     width: int = Field(1, ge=1, le=64, description="nodes kept per depth level (1 = chain)")
+    source: Literal["model", "datastore", "both"] = Field(
+        "model", description="who drafts: the draft model(s), the lookup datastore (SSSD), or "
+                             "both merged into one tree")
+    max_nodes: int = Field(8, ge=1, le=256, description="node budget of a datastore tree (and of "
+                                                         "a merged tree)")
+
+
+class DatastoreSettings(BaseModel):
+    """The lookup datastore service (SSSD): a suffix array over a corpus + per-request indexes."""
+
+    path: Path | None = Field(None, description="datastore directory (`specmesh datastore build`); "
+                                                "default: the ShareGPT store of the target's "
+                                                "tokenizer under <cache_dir>/datastores")
+    prefix_len: int = Field(4, ge=1, le=16, description="longest context suffix matched (P)")
+    max_conts: int = Field(100, ge=1, description="continuations sampled per match (M), at "
+                                                  "regular intervals of the suffix-array range")
+    min_conts: int = Field(20, ge=1, description="keep matching shorter prefixes while fewer "
+                                                 "continuations than this were found")
+    index_ttl_s: float = Field(600.0, gt=0, description="drop a request's prompt/output index "
+                                                        "after this long without a lookup")
 
 
 class TelemetrySettings(BaseModel):
@@ -75,8 +95,10 @@ class Settings(BaseSettings):
     port: int = Field(0, ge=0, le=65535, description="port of this service (0 = any free port)")
     router_address: str = Field("127.0.0.1:50052", description="gateway -> router")
     drafter_address: str = Field("127.0.0.1:50053", description="router -> drafter")
+    datastore_address: str = Field("127.0.0.1:50055", description="router -> datastore")
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
     verifier: VerifierSettings = Field(default_factory=VerifierSettings)
+    datastore: DatastoreSettings = Field(default_factory=DatastoreSettings)
     router: RouterSettings = Field(default_factory=RouterSettings)
     log_level: str = Field("INFO", description="logging level")
 

@@ -26,6 +26,11 @@ class Overloaded(Exception):
     """The service cannot take more work now (RESOURCE_EXHAUSTED); the client may retry."""
 
 
+class FailedPrecondition(Exception):
+    """The call needs state the service does not hold (FAILED_PRECONDITION): the message says
+    what to send instead."""
+
+
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, grpc.RpcError) and callable(getattr(exc, "code", None)):
         return exc.code(), exc.details() or ""
@@ -35,6 +40,8 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.NOT_FOUND, str(exc.args[0]) if exc.args else repr(exc)
     if isinstance(exc, Overloaded):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, FailedPrecondition):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, TimeoutError):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"

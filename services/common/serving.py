@@ -12,6 +12,7 @@ import grpc
 
 from services.common import telemetry
 from services.common.config import Settings
+from services.common.rpc import start_server
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +26,27 @@ def compute_executor() -> ThreadPoolExecutor:
     """One thread runs all model work of a process: torch already uses every core per op, and
     per-request caches need no locking when a single thread touches them."""
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+
+
+def compute_service(role: str, load: Callable[[Settings], object],
+                    make_servicer: Callable[[object, ThreadPoolExecutor], object],
+                    add_to_server: Callable, service_name: str):
+    """(start, main) of a service whose state (models, a datastore) is loaded by `load` on the
+    compute thread and served by one servicer that runs its work on that same thread."""
+    async def start(settings: Settings):
+        executor = compute_executor()
+        state = await asyncio.get_running_loop().run_in_executor(executor, load, settings)
+        server, port = await start_server(
+            [(add_to_server, make_servicer(state, executor), service_name)],
+            settings.host, settings.port)
+
+        async def cleanup() -> None:
+            executor.shutdown(wait=False, cancel_futures=True)
+        return server, port, cleanup
+
+    def main(settings: Settings) -> None:
+        run_service(role, settings, start)
+    return start, main
 
 
 async def wait_for_signal() -> None:

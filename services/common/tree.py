@@ -71,6 +71,36 @@ class TokenTree:
         has_child = set(p for p in self.parents if p >= 0)
         return [i for i in range(len(self)) if i not in has_child]
 
+    @classmethod
+    def union(cls, trees: Sequence["TokenTree"]) -> "TokenTree":
+        """One tree holding every path of `trees` once: a node shared by several trees (same
+        token below the same path) appears once, with the first tree's score and source. Node
+        order: the first tree's nodes, then each later tree's new ones (parents stay first)."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []
+        sources: list[int] = []
+        names: list[str] = []
+        index: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+        annotated = all(t.scores for t in trees if len(t)) and all(t.sources for t in trees if len(t))
+        for tree in trees:
+            mapped: list[int] = []
+            for i, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
+                new_parent = -1 if parent < 0 else mapped[parent]
+                key = (new_parent, token)
+                if key not in index:
+                    index[key] = len(tokens)
+                    tokens.append(token)
+                    parents.append(new_parent)
+                    if annotated:
+                        scores.append(tree.scores[i])
+                        name = tree.source_names[tree.sources[i]]
+                        if name not in names:
+                            names.append(name)
+                        sources.append(names.index(name))
+                mapped.append(index[key])
+        return cls(tuple(tokens), tuple(parents), tuple(scores), tuple(sources), tuple(names))
+
     def check_vocab(self, vocab_size: int) -> None:
         bad = [t for t in self.tokens if not 0 <= t < vocab_size]
         if bad:

@@ -1,11 +1,13 @@
 """Router engine: the per-request speculative loop, over a pool and a drafter stub.
 
 Step 0 submits an empty tree, so the verifier prefills and emits the first token while the
-drafter prefills the prompt concurrently. Each later step asks the drafter for a tree below the
-last token (telling it the tokens accepted since its last call), submits it to the pool, awaits
-the verifier's result, and streams the accepted tokens + bonus token out after applying the stop
-conditions. A failing drafter never fails the request: the step runs without a tree and the
-drafter is re-prefilled next step.
+drafter prefills the prompt concurrently. Each later step asks the draft sources for a tree below
+the last token (telling each the tokens accepted since its last call), submits it to the pool,
+awaits the verifier's result, and streams the accepted tokens + bonus token out after applying
+the stop conditions. The sources (`speculation.source`): the drafter service's model, the
+lookup datastore (SSSD), or both, their trees merged into one (a union of their paths). A
+failing source never fails the request: the step runs without its tree, and the source is
+re-synchronised with the whole context next step (drafter re-prefill, datastore index reset).
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ from services.common.pool import Pool
 from services.common.sampling import SamplingParams
 from services.common.text import TextStream
 from services.router.stats import RequestStats
-from specmesh.v1 import common_pb2, drafter_pb2, pool_pb2, router_pb2
+from services.common.tree import TokenTree
+from specmesh.v1 import common_pb2, datastore_pb2, drafter_pb2, pool_pb2, router_pb2
 
 log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)
@@ -43,9 +46,12 @@ class TargetInfo:
 class Router:
     def __init__(self, pool: Pool, drafter, tokenizer, target: TargetInfo,
                  speculation: SpeculationSettings, settings: RouterSettings,
-                 router_id: str | None = None, drafter_name: str = "") -> None:
+                 router_id: str | None = None, drafter_name: str = "", datastore=None) -> None:
+        if speculation.source != "model" and speculation.depth > 0 and datastore is None:
+            raise ValueError(f"speculation.source={speculation.source!r} needs a datastore service")
         self.pool = pool
         self.drafter = drafter  # DrafterStub or LocalStub
+        self.datastore = datastore  # DatastoreStub, LocalStub or None
         self.tokenizer = tokenizer
         self.target = target
         self.speculation = speculation
@@ -117,7 +123,12 @@ class Router:
     async def _release(self, request_id: str) -> None:
         try:
             await self.pool.delete_request(request_id)
-            await self.drafter.Release(drafter_pb2.DraftReleaseRequest(request_ids=[request_id]))
+            if self.speculation.source != "datastore":
+                await self.drafter.Release(
+                    drafter_pb2.DraftReleaseRequest(request_ids=[request_id]))
+            if self.datastore is not None and self.speculation.source != "model":
+                await self.datastore.Release(
+                    datastore_pb2.DatastoreReleaseRequest(request_ids=[request_id]))
         except Exception as err:  # noqa: BLE001 - caches expire or are evicted anyway
             log.warning("releasing %s: %s", request_id, err)
 
@@ -161,11 +172,16 @@ class _RequestLoop:
         self.stops = set(router.target.eos_token_ids) | set(request.stop_token_ids)
         self.max_new = min(request.max_tokens, router.target.context_length - len(prompt))
         self.speculating = router.speculation.depth > 0
+        source = router.speculation.source
+        self.use_model = self.speculating and source in ("model", "both")
+        self.use_datastore = self.speculating and source in ("datastore", "both")
         self.prefill_task: asyncio.Task | None = None
         self.new_tokens: list[int] = []  # accepted since the drafter's last call
+        self.lookup_tokens: list[int] = list(prompt)  # not yet sent to the datastore
+        self.lookup_reset = True  # the next lookup sends the whole context
 
     async def run(self) -> AsyncIterator[router_pb2.RouteChunk]:
-        if self.speculating:
+        if self.use_model:
             self.prefill_task = asyncio.create_task(self._prefill_drafter(self.prompt))
         step = 0
         while True:
@@ -178,6 +194,7 @@ class _RequestLoop:
             if chunk.finish_reason:
                 return
             self.new_tokens.extend(emitted)
+            self.lookup_tokens.extend(emitted)
             step += 1
 
     def _emit(self, emitted: list[int]) -> router_pb2.RouteChunk:
@@ -210,8 +227,36 @@ class _RequestLoop:
             return False
 
     async def _draft(self) -> common_pb2.TokenTree:
-        if not self.speculating:
+        if self.use_model and self.use_datastore:
+            model_tree, lookup_tree = await asyncio.gather(self._draft_model(), self._lookup())
+            return TokenTree.union([TokenTree.from_pb(model_tree),
+                                    TokenTree.from_pb(lookup_tree)]).to_pb()
+        if self.use_datastore:
+            return await self._lookup()
+        if self.use_model:
+            return await self._draft_model()
+        return common_pb2.TokenTree()
+
+    async def _lookup(self) -> common_pb2.TokenTree:
+        spec = self.router.speculation
+        item = datastore_pb2.LookupItem(request_id=self.request_id, new_tokens=self.lookup_tokens,
+                                        max_nodes=spec.max_nodes, max_depth=spec.depth,
+                                        reset=self.lookup_reset)
+        try:
+            response = await self.router.datastore.Lookup(
+                datastore_pb2.LookupBatchRequest(items=[item]),
+                timeout=self.router.settings.step_timeout_s)
+        except (grpc.RpcError, asyncio.TimeoutError) as err:
+            log.warning("datastore lookup for %s failed (%s): this step runs without its tree",
+                        self.request_id, _describe(err))
+            self.lookup_tokens = self.prompt + self.generated
+            self.lookup_reset = True
             return common_pb2.TokenTree()
+        self.lookup_tokens = []
+        self.lookup_reset = False
+        return response.trees[0]
+
+    async def _draft_model(self) -> common_pb2.TokenTree:
         if self.prefill_task is not None:
             ok = await self.prefill_task
             self.prefill_task = None

@@ -6,9 +6,10 @@ from pathlib import Path
 from services.common import models, pool as pool_mod, serving
 from services.common.config import Settings
 from services.common.rpc import channel, start_server
+from services.datastore.corpus import tokenizer_family
 from services.router.engine import Router, TargetInfo
 from services.router.servicer import SERVICE_NAME, RouterServicer
-from specmesh.v1 import drafter_pb2_grpc, router_pb2_grpc
+from specmesh.v1 import datastore_pb2, datastore_pb2_grpc, drafter_pb2_grpc, router_pb2_grpc
 
 
 def target_info(name: str, path: Path, tokenizer) -> TargetInfo:
@@ -18,6 +19,16 @@ def target_info(name: str, path: Path, tokenizer) -> TargetInfo:
                       eos_token_ids=tuple(models.eos_token_ids(path, tokenizer)))
 
 
+async def check_datastore(datastore, tokenizer, timeout_s: float) -> None:
+    """Refuses a datastore built with another tokenizer family than the target's."""
+    info = await datastore.Info(datastore_pb2.DatastoreInfoRequest(), timeout=timeout_s)
+    family = tokenizer_family(tokenizer)
+    if info.tokenizer != family:
+        raise SystemExit(f"the datastore {info.name!r} was built with tokenizer family "
+                         f"{info.tokenizer}, the target's is {family}: build one for this model "
+                         f"(specmesh datastore build --model ...)")
+
+
 async def start(settings: Settings):
     if not settings.redis_url:
         raise SystemExit("the router service needs the pool: set --redis-url / SPECMESH_REDIS_URL")
@@ -25,9 +36,14 @@ async def start(settings: Settings):
     tokenizer = models.load_tokenizer(path)
     pool = pool_mod.connect(settings.redis_url, settings.pool_prefix)
     drafter_channel = channel(settings.drafter_address)
+    datastore_channel = datastore = None
+    if settings.speculation.source != "model":
+        datastore_channel = channel(settings.datastore_address)
+        datastore = datastore_pb2_grpc.DatastoreStub(datastore_channel)
+        await check_datastore(datastore, tokenizer, settings.router.step_timeout_s)
     router = Router(pool, drafter_pb2_grpc.DrafterStub(drafter_channel), tokenizer,
                     target_info(settings.model, path, tokenizer), settings.speculation,
-                    settings.router)
+                    settings.router, datastore=datastore)
     router.start()
     server, port = await start_server(
         [(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(router), SERVICE_NAME)],
@@ -36,6 +52,8 @@ async def start(settings: Settings):
     async def cleanup() -> None:
         await router.stop()
         await drafter_channel.close()
+        if datastore_channel is not None:
+            await datastore_channel.close()
         await pool.close()
     return server, port, cleanup
 

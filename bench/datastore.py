@@ -1,0 +1,220 @@
+"""Benchmark of issue 4: the lookup datastore (SSSD) as a drafter.
+
+One process run, the same prompts for every method (MT-Bench first turns, chat template, and
+HumanEval problems, raw; greedy, 128 new tokens):
+  build     the datastore of the target's tokenizer family (ShareGPT V3): build time, tokens,
+            size on disk (built here if missing)
+  quality   SmolLM2-135M target: mean accepted length (tokens per target pass, bonus counted) of
+            specmesh with the datastore as the only drafter vs transformers prompt lookup
+            decoding, both with the same number of draft nodes per step (N, default 10: HF's
+            prompt_lookup_num_tokens = N, specmesh speculation.max_nodes = depth = N); plus tok/s,
+            speedup vs plain and outputs identical to plain, overall and per kind (chat / code)
+  latency   the lookup engine alone on the full datastore: time per sequence of a batched
+            lookup (one call for b requests / b) at b = 1, 8, 32, p50 and p99 over many calls
+            of requests advancing through their real continuations
+  e2e       (--e2e) Qwen2.5-Coder-1.5B target, batch 1: tok/s of plain vs specmesh with the
+            datastore only and with datastore + the 0.5B draft merged
+
+    python -m bench.datastore                       # build + quality + latency (~30 min here)
+    python -m bench.datastore --e2e                 # + the 1.5B end-to-end run (~1.5 h more)
+    python -m bench.datastore --quick               # smoke run: 6 prompts x 32 tokens
+Writes bench/results/issue4-datastore.json and .md. Run it alone on the machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from dataclasses import asdict, replace
+
+import numpy as np
+
+from bench.run import RESULTS, Config, MethodResult, load_prompts, run_embedded, run_hf_methods
+from services.common import models
+from services.common.config import DatastoreSettings, Settings
+from services.common.serving import compute_executor
+from services.datastore import build
+from services.datastore.engine import LookupEngine, LookupRequest, open_for_target
+
+BATCHES = (1, 8, 32)
+
+
+def ensure_datastore(model: str) -> dict:
+    settings = Settings(model=model)
+    tokenizer = build.target_tokenizer(settings)
+    path = build.output_dir(settings, "sharegpt", tokenizer)
+    if not (path / "meta.json").is_file():
+        build.build(settings, tokenizer=tokenizer)
+    meta = json.loads((path / "meta.json").read_text())
+    return {"path": str(path), "num_tokens": meta["num_tokens"],
+            "num_documents": meta["num_documents"], "bytes": meta["bytes"],
+            "build_seconds": meta.get("build_seconds"), "discounts": meta.get("discounts")}
+
+
+def summarize(result: MethodResult, plain: MethodResult | None) -> dict:
+    out = {"method": result.method, "tok_s": result.tok_s,
+           "mean_accepted_length": result.mean_accepted_length,
+           "speedup": result.tok_s / plain.tok_s if plain and plain.tok_s else None,
+           "identical_to_plain": (sum(a == b for a, b in zip(result.outputs, plain.outputs))
+                                  if plain else None)}
+    return out
+
+
+def quality(config: Config, nodes: int, compute) -> dict:
+    settings = Settings(model=config.model, dtype=config.dtype)
+    tokenizer = models.load_tokenizer(models.resolve(config.model, settings.cache_dir))
+    prompts = load_prompts(config, tokenizer)
+    hf = compute.submit(run_hf_methods, config, prompts, ("plain", "hf-prompt-lookup"),
+                        nodes).result()
+    mesh = settings.with_overrides(**{"speculation.source": "datastore",
+                                      "speculation.max_nodes": nodes, "speculation.depth": nodes})
+    ours = run_embedded(config, prompts, compute, mesh, "specmesh-datastore")
+    plain = hf[0]
+    kinds = ["code" if p.category == "code" else "chat" for p in prompts]
+    rows = []
+    for result in [*hf, ours]:
+        row = summarize(result, plain)
+        for kind in ("chat", "code"):
+            idx = [i for i, k in enumerate(kinds) if k == kind]
+            part = MethodResult(result.method)
+            part.outputs = [result.outputs[i] for i in idx]
+            part.tokens = sum(len(result.outputs[i]) for i in idx)
+            part.target_forwards = sum(result.forwards_per_prompt[i] for i in idx)
+            row[f"mean_accepted_length_{kind}"] = part.mean_accepted_length
+        rows.append(row)
+    lookup = next(r for r in rows if r["method"] == "hf-prompt-lookup")
+    mine = rows[-1]
+    return {"prompts": [p.name for p in prompts], "nodes_per_step": nodes, "methods": rows,
+            "ratio_vs_prompt_lookup": mine["mean_accepted_length"] /
+            lookup["mean_accepted_length"],
+            "plain_outputs": plain.outputs, "prompt_ids": [p.ids for p in prompts]}
+
+
+def latency(model: str, prompt_ids: list[list[int]], outputs: list[list[int]], nodes: int,
+            calls: int = 100) -> list[dict]:
+    settings = Settings(model=model)
+    store = open_for_target(settings, build.target_tokenizer(settings))
+    engine = LookupEngine(store, DatastoreSettings())
+    rows = []
+    for b in BATCHES:
+        seqs = [(prompt_ids[i % len(prompt_ids)], outputs[i % len(outputs)]) for i in range(b)]
+        engine.lookup([LookupRequest(f"b{b}-{i}", p, nodes, nodes, reset=True)
+                       for i, (p, _) in enumerate(seqs)])
+        per_seq, per_call = [], []
+        for step in range(calls):
+            items = [LookupRequest(f"b{b}-{i}", out[2 * step:2 * step + 2] or [out[-1]], nodes,
+                                   nodes) for i, (_, out) in enumerate(seqs)]
+            start = time.perf_counter()
+            engine.lookup(items)
+            seconds = time.perf_counter() - start
+            per_call.append(seconds)
+            per_seq.append(seconds / b)
+        engine.release([f"b{b}-{i}" for i in range(b)])
+        rows.append({"batch": b, "calls": calls,
+                     "per_sequence_ms_p50": 1e3 * float(np.percentile(per_seq, 50)),
+                     "per_sequence_ms_p99": 1e3 * float(np.percentile(per_seq, 99)),
+                     "per_call_ms_p50": 1e3 * float(np.percentile(per_call, 50)),
+                     "per_call_ms_p99": 1e3 * float(np.percentile(per_call, 99))})
+    return rows
+
+
+def e2e(config: Config, compute) -> dict:
+    settings = Settings(model=config.model, dtype=config.dtype)
+    tokenizer = models.load_tokenizer(models.resolve(config.model, settings.cache_dir))
+    prompts = load_prompts(config, tokenizer)
+    plain, = compute.submit(run_hf_methods, config, prompts, ("plain",)).result()
+    rows = [summarize(plain, plain)]
+    for source, name in (("datastore", "specmesh-datastore"), ("both", "specmesh-datastore+draft")):
+        mesh = settings.with_overrides(drafters=[config.draft], **{
+            "speculation.source": source, "speculation.depth": config.depth,
+            "speculation.max_nodes": 10})
+        rows.append(summarize(run_embedded(config, prompts, compute, mesh, name), plain))
+    kinds = ["code" if p.category == "code" else "chat" for p in prompts]
+    return {"model": config.model, "draft": config.draft, "prompts": len(prompts),
+            "kinds": kinds, "methods": rows}
+
+
+def markdown(report: dict) -> str:
+    b = report["build"]
+    lines = [f"Datastore: ShareGPT V3, {b['num_documents']:,} documents, {b['num_tokens']:,} "
+             f"tokens, {b['bytes'] / 2**20:,.0f} MiB on disk, built in "
+             f"{b['build_seconds']:.0f} s (tokenize + suffix array)."]
+    if "quality" in report:
+        q = report["quality"]
+        c = report["config"]
+        lines += ["", f"Quality: {c['model']} target, {c['dtype']}, {len(q['prompts'])} prompts "
+                      f"({c['mtbench']} MT-Bench + {c['humaneval']} HumanEval) x "
+                      f"{c['max_tokens']} tokens, {q['nodes_per_step']} draft nodes per step", "",
+                  "| method | tok/s | speedup | accepted length | chat | code | identical to plain |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for r in q["methods"]:
+            lines.append(f"| {r['method']} | {r['tok_s']:.2f} | {r['speedup']:.2f}x | "
+                         f"{r['mean_accepted_length']:.2f} | {r['mean_accepted_length_chat']:.2f} "
+                         f"| {r['mean_accepted_length_code']:.2f} | {r['identical_to_plain']}/"
+                         f"{len(q['prompts'])} |")
+        lines += ["", f"Accepted length, datastore / HF prompt lookup: "
+                      f"{q['ratio_vs_prompt_lookup']:.2f}x (goal >= 1.3x)."]
+    if "latency" in report:
+        lines += ["", "Lookup latency (full datastore, engine only, 100 calls per batch size):",
+                  "", "| batch | per sequence p50 ms | p99 ms | per call p50 ms | p99 ms |",
+                  "|---:|---:|---:|---:|---:|"]
+        for r in report["latency"]:
+            lines.append(f"| {r['batch']} | {r['per_sequence_ms_p50']:.3f} | "
+                         f"{r['per_sequence_ms_p99']:.3f} | {r['per_call_ms_p50']:.2f} | "
+                         f"{r['per_call_ms_p99']:.2f} |")
+    if "e2e" in report:
+        e = report["e2e"]
+        lines += ["", f"End to end: {e['model']} target (draft {e['draft']}), batch 1, "
+                      f"{e['prompts']} prompts", "",
+                  "| method | tok/s | speedup | accepted length | identical to plain |",
+                  "|---|---:|---:|---:|---:|"]
+        for r in e["methods"]:
+            lines.append(f"| {r['method']} | {r['tok_s']:.2f} | {r['speedup']:.2f}x | "
+                         f"{r['mean_accepted_length']:.2f} | {r['identical_to_plain']}/"
+                         f"{e['prompts']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m", help="quality target [smollm2-135m]")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--mtbench", type=int, default=80, help="MT-Bench questions [80]")
+    parser.add_argument("--humaneval", type=int, default=20, help="HumanEval problems [20]")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--nodes", type=int, default=10, help="draft nodes per step [10]")
+    parser.add_argument("--e2e", action="store_true", help="also the Qwen2.5-Coder-1.5B run")
+    parser.add_argument("--e2e-model", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--e2e-draft", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--quick", action="store_true", help="6 prompts x 32 tokens")
+    args = parser.parse_args(argv)
+    config = Config(args.model, "layers:1", args.dtype, mtbench=args.mtbench,
+                    humaneval=args.humaneval, max_tokens=args.max_tokens)
+    if args.quick:
+        config = replace(config, mtbench=4, humaneval=2, max_tokens=32)
+    compute = compute_executor()
+    report: dict = {"machine": platform.processor() or platform.machine(),
+                    "date": time.strftime("%Y-%m-%d"), "config": asdict(config),
+                    "build": ensure_datastore(args.model)}
+    q = quality(config, args.nodes, compute)
+    report["latency"] = latency(args.model, q.pop("prompt_ids"), q.pop("plain_outputs"),
+                                args.nodes)
+    report["quality"] = q
+    if args.e2e:
+        ensure_datastore(args.e2e_model)
+        report["e2e"] = e2e(replace(config, model=args.e2e_model, draft=args.e2e_draft,
+                                    depth=4), compute)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    name = "issue4-datastore" + ("-quick" if args.quick else "")
+    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2))
+    text = markdown(report)
+    (RESULTS / f"{name}.md").write_text(text)
+    print(text)
+    compute.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
