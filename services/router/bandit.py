@@ -1,0 +1,388 @@
+"""Learning-based SSM selection (LBSS) of SPIN: which drafter serves which request.
+
+SPIN (papers/spin-heterogeneous-drafters-bandit-decomposed-batching.txt, section IV) treats the
+choice of a drafter ("SSM": a layer-truncated target, a small model, the lookup datastore) per
+request as a multi-armed bandit whose reward is *goodput*: target-accepted tokens per second the
+request gets from that drafter. Time is cut into slots, slots into epochs k = 1, 2, ...
+(Algorithm 1, Fig. 8):
+
+- exploration, `alpha` slots (Algorithm 2): the slots are grouped into alpha / beta chunks of
+  `beta` slots; at the start of a chunk every request draws a drafter uniformly at random and
+  keeps it for the whole chunk; a drafter drawn by more requests than it can batch (B_j) keeps a
+  random B_j of them and drops the others;
+- exploitation, 2^k slots: the estimated goodputs g~[i, j] (means of the observed r_ij) define
+  problem (10), a maximum-weight matching of requests to drafters where drafter j is expanded
+  into B_j columns, solved by Kuhn-Munkres (`scipy.optimize.linear_sum_assignment`); the
+  matching is kept for the whole stage.
+
+Fast SSM switching (section IV-C): moving a request to another drafter means prefilling its
+context there. `likely_destination` names where a request goes at the next change of plan (the
+next chunk's random draw, drawn in advance, or the matching the next exploitation would make)
+so the caller can prefill there during the drafter's idle time.
+
+Where it sits: the router calls `assign` once per slot with its live requests, `observe` with
+each verification result (accepted tokens, seconds), `next_slot` at the end of the slot. Plain
+Python + numpy + scipy: no gRPC, no Redis, no torch.
+
+    lbss = LBSS([DrafterSpec("layers-8", replicas=2, capacity=4), DrafterSpec("lookup", 1, 16)])
+    while requests:
+        placement = lbss.assign(ids)            # {id: Placement(drafter, replica) | None}
+        ...                                     # draft on placement[id], verify
+        lbss.observe(id, placement[id].drafter, accepted_tokens, seconds)
+        lbss.next_slot()
+
+Deviations from the paper (each marked `deviation:` where it is coded):
+1. Replicas: the paper's "B_j replicas of SSM j" are batch slots; here a drafter has `replicas`
+   instances each batching `capacity` requests (B_j = replicas * capacity). Goodput is learnt
+   per drafter, placement is per instance, and moving between instances is a switch too.
+2. Dropped requests in exploration are re-placed at random on a drafter with room
+   (`refill=True`); `refill=False` drops them for the chunk, as Algorithm 2 line 9.
+3. The exploitation matching charges the switching cost (the paper's (10) ignores it; its regret
+   (6) counts lambda * z_i(t)): a switch is worth g~ * (1 - lambda * c_ij / H) over the stage's
+   H seconds. `switch_weight=0` is exactly (10).
+4. Estimates average every observation, exploitation ones included (Algorithm 2 averages the
+   exploration ones); an unobserved (request, drafter) pair gets the drafter's mean over all
+   requests (the paper leaves it undefined).
+5. Requests come and go (the paper's set N is fixed): one arriving mid-chunk / mid-stage is placed
+   in the free capacity (random draw / matching on the free columns); the others keep theirs.
+6. More requests than total capacity: the overflow gets `None` (no drafter: plain decoding, the
+   verifier's bonus token only); the paper's constraint (5) assumes every request gets an SSM.
+7. In exploitation the predicted destination is the matching the stage would solve now, not the
+   paper's argmax_j g~[i, j] (the two differ only when a capacity binds).
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Hashable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+from scipy.optimize import linear_sum_assignment
+
+# A stay beats a switch of equal weight (ties broken towards no prefill).
+_STAY_BONUS = 1e-9
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """One kind of drafter (an arm): `replicas` instances, each batching `capacity` requests."""
+
+    name: str
+    replicas: int = 1
+    capacity: int = 1                      # B_j per instance: requests drafted at once
+    switch_cost_s: float = 0.0             # prefill time of a request moving here, fixed part
+    switch_cost_per_token_s: float = 0.0   # ... plus this per token of its context
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("a drafter needs a name")
+        if self.replicas < 1 or self.capacity < 1:
+            raise ValueError(f"drafter {self.name!r}: replicas and capacity must be >= 1, "
+                             f"got replicas={self.replicas}, capacity={self.capacity}")
+        if self.switch_cost_s < 0 or self.switch_cost_per_token_s < 0:
+            raise ValueError(f"drafter {self.name!r}: switching costs must be >= 0")
+
+
+class Placement(NamedTuple):
+    """Where a request drafts in a slot: a drafter and one of its instances."""
+
+    drafter: str
+    replica: int
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Estimated goodput (accepted tokens / s) of one request on one drafter."""
+
+    goodput: float   # mean of the observations; the drafter's overall mean when count == 0
+    count: int       # observations behind it
+
+
+PlanKey = tuple[int, int | str]   # (epoch, chunk index) or (epoch, "exploit")
+
+
+class LBSS:
+    """Algorithm 1 of SPIN over heterogeneous drafters with batch capacities."""
+
+    def __init__(self, drafters: Iterable[DrafterSpec], alpha: int = 4, beta: int = 2,
+                 seed: int = 0, *, switch_weight: float = 1.0, slot_s: float | None = None,
+                 refill: bool = True) -> None:
+        """`alpha`: exploration slots per epoch, `beta`: chunk size (divides alpha),
+        `switch_weight`: lambda of (6), `slot_s`: slot duration for the switching cost (None =
+        mean observed seconds), `refill`: re-place requests dropped in exploration."""
+        self.drafters = tuple(drafters)
+        if not self.drafters:
+            raise ValueError("LBSS needs at least one drafter")
+        names = [d.name for d in self.drafters]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate drafter names: {names}")
+        if beta < 1 or alpha < beta or alpha % beta:
+            raise ValueError(f"need 1 <= beta <= alpha and beta dividing alpha, "
+                             f"got alpha={alpha}, beta={beta}")
+        if switch_weight < 0 or (slot_s is not None and not slot_s > 0):
+            raise ValueError("switch_weight must be >= 0 and slot_s > 0")
+        self.alpha, self.beta, self.switch_weight = alpha, beta, switch_weight
+        self.slot_s, self.refill = slot_s, refill
+        self._index = {name: j for j, name in enumerate(names)}
+        self._rng = np.random.default_rng(seed)
+        # schedule: slot `_pos` of epoch `epoch` (1-based, as Algorithm 1)
+        self.epoch, self._pos, self.slot = 1, 0, 0
+        # statistics: per request [2, M] = (sum of r_ij, count); per drafter the same over all
+        self._stats: dict[Hashable, np.ndarray] = {}
+        self._drafter_stats = np.zeros((2, len(names)))
+        self._tokens: Counter = Counter()            # accepted tokens per request (context size)
+        self._context: dict[Hashable, int] = {}      # context sizes the caller gave
+        self._seconds, self._observations = 0.0, 0
+        # placement
+        self._home: dict[Hashable, Placement] = {}   # where each request's drafter KV lives
+        self._plan_key: PlanKey | None = None
+        self._plan: dict[Hashable, Placement | None] = {}
+        self._draws_key: PlanKey | None = None       # random draws made in advance (fast switch)
+        self._draws: dict[Hashable, Placement] = {}
+        self._active: list[Hashable] = []            # ids of the last assign
+        self.switches, self.switch_seconds = 0, 0.0
+
+    # ---------------------------------------------------------------------------------------
+    # schedule
+    @property
+    def stage(self) -> str:
+        """The current slot's stage: "explore" or "exploit"."""
+        return "explore" if self._pos < self.alpha else "exploit"
+
+    @property
+    def slot_in_epoch(self) -> int:
+        """0 .. alpha - 1 explore, alpha .. alpha + 2^epoch - 1 exploit."""
+        return self._pos
+
+    @property
+    def capacity(self) -> int:
+        """Requests all drafters serve at once."""
+        return sum(d.replicas * d.capacity for d in self.drafters)
+
+    def _key(self) -> PlanKey:
+        return (self.epoch, self._pos // self.beta) if self._pos < self.alpha \
+            else (self.epoch, "exploit")
+
+    def _next_key(self) -> PlanKey:
+        """The plan after the current one: next chunk, exploitation, next epoch's first chunk."""
+        if self._pos >= self.alpha:
+            return (self.epoch + 1, 0)
+        chunk = self._pos // self.beta + 1
+        return (self.epoch, chunk) if chunk * self.beta < self.alpha else (self.epoch, "exploit")
+
+    def next_slot(self) -> None:
+        """End the current slot (Algorithm 1: epoch k = alpha + 2^k slots)."""
+        self.slot += 1
+        self._pos += 1
+        if self._pos >= self.alpha + 2 ** self.epoch:
+            self.epoch, self._pos = self.epoch + 1, 0
+
+    # ---------------------------------------------------------------------------------------
+    # decisions
+    def assign(self, request_ids: Iterable[Hashable],
+               context_tokens: Mapping[Hashable, int] | None = None
+               ) -> dict[Hashable, Placement | None]:
+        """Placement of each request for the current slot (None: no drafter free, see 6.).
+
+        Within a chunk / an exploitation stage a request keeps its placement; calling twice in
+        a slot returns the same. `context_tokens` (prompt + generated) sizes the switching cost;
+        without it the accepted tokens observed so far are used."""
+        ids = list(request_ids)
+        if len(set(ids)) != len(ids):
+            raise ValueError("duplicate request ids")
+        if context_tokens:
+            self._context.update(context_tokens)
+        key = self._key()
+        if key != self._plan_key:
+            self._plan_key, self._plan = key, {}
+        # deviation 5: requests already placed in this plan keep it; new / unplaced ones fill in
+        # (a request dropped from this chunk stays dropped without refill, as Algorithm 2)
+        dropped_stay = key[1] != "exploit" and not self.refill
+        plan = {rid: self._plan[rid] for rid in ids
+                if rid in self._plan and (self._plan[rid] is not None or dropped_stay)}
+        todo = [rid for rid in ids if rid not in plan]
+        if todo:
+            load = Counter(plan.values())
+            if key[1] == "exploit":
+                plan.update(self._match(todo, load, self._horizon_slots()))
+            else:
+                draws = {}
+                if self._draws_key == key:  # drawn in advance by likely_destination
+                    draws, self._draws_key, self._draws = self._draws, None, {}
+                plan.update(self._explore(todo, load, draws))
+        self._plan, self._active = plan, ids
+        for rid in ids:
+            self._move(rid, plan[rid])
+        return {rid: plan[rid] for rid in ids}
+
+    def _move(self, rid: Hashable, to: Placement | None) -> None:
+        """Count z_i(t): a switch when the request drafts elsewhere than its KV lives."""
+        if to is None:  # no drafter this slot: its KV stays where it was
+            return
+        home = self._home.get(rid)
+        if home is not None and home != to:
+            self.switches += 1
+            self.switch_seconds += self._switch_cost(rid, self._index[to.drafter])
+        self._home[rid] = to
+
+    def _explore(self, todo: list[Hashable], load: Counter,
+                 draws: Mapping[Hashable, Placement]) -> dict[Hashable, Placement | None]:
+        """Algorithm 2 lines 3-11 for one chunk: uniform draws; over capacity, a random B_j
+        stay (requests placed in random order) and the others are dropped. (The pseudocode
+        draws before its chunk loop; the text and Fig. 8 draw anew for every chunk, as here.)"""
+        order = [todo[i] for i in self._rng.permutation(len(todo))]
+        out: dict[Hashable, Placement | None] = {}
+        dropped = []
+        for rid in order:
+            want = draws.get(rid) or self._draw(rid)
+            out[rid] = self._fit(want, load)
+            if out[rid] is None:
+                dropped.append(rid)
+        for rid in dropped:
+            # deviation 2: a dropped request takes a random drafter that still has room
+            room = [d for d in self.drafters
+                    if any(load[Placement(d.name, r)] < d.capacity for r in range(d.replicas))]
+            if self.refill and room:
+                d = room[self._rng.integers(len(room))]
+                out[rid] = self._fit(self._draw(rid, d), load)
+        return out
+
+    def _draw(self, rid: Hashable, d: DrafterSpec | None = None) -> Placement:
+        """A uniform random drafter (or `d`); its instance: the request's own if it is already
+        on that drafter, else a uniform random one."""
+        if d is None:
+            d = self.drafters[self._rng.integers(len(self.drafters))]
+        home = self._home.get(rid)
+        if home is not None and home.drafter == d.name:
+            return home
+        return Placement(d.name, int(self._rng.integers(d.replicas)))
+
+    def _fit(self, want: Placement, load: Counter) -> Placement | None:
+        """`want` if its instance has room, else the least loaded instance of the same drafter
+        with room, else None. Counts the placement in `load`."""
+        d = self.drafters[self._index[want.drafter]]
+        if load[want] >= d.capacity:
+            free = [r for r in range(d.replicas) if load[Placement(d.name, r)] < d.capacity]
+            if not free:
+                return None
+            want = Placement(d.name, min(free, key=lambda r: load[Placement(d.name, r)]))
+        load[want] += 1
+        return want
+
+    def _match(self, todo: list[Hashable], load: Counter,
+               horizon_slots: int) -> dict[Hashable, Placement | None]:
+        """Problem (10) by Kuhn-Munkres: one column per free batch slot of each instance."""
+        cols = [Placement(d.name, r) for d in self.drafters for r in range(d.replicas)
+                for _ in range(d.capacity - load[Placement(d.name, r)])]
+        out: dict[Hashable, Placement | None] = dict.fromkeys(todo)
+        if not cols or not todo:
+            return out
+        col_j = np.array([self._index[p.drafter] for p in cols])         # [C]
+        g = self._goodput(todo)                                           # [N, M]
+        horizon = horizon_slots * self._slot_seconds()
+        cost = np.array([[self._switch_cost(rid, j) for j in range(len(self.drafters))]
+                         for rid in todo])                                # [N, M]
+        # deviation 3: a switch yields g for the stage's H seconds minus lambda * c of prefill
+        keep = np.clip(1.0 - self.switch_weight * cost / horizon, 0.0, 1.0)
+        weight = (g * keep)[:, col_j]                                     # [N, C]
+        for i, rid in enumerate(todo):
+            home = self._home.get(rid)
+            if home is None:  # first placement: it prefills wherever it goes
+                weight[i] = g[i, col_j]
+                continue
+            stay = [c for c, p in enumerate(cols) if p == home]
+            weight[i, stay] = g[i, self._index[home.drafter]] + _STAY_BONUS
+        rows, picked = linear_sum_assignment(weight, maximize=True)
+        for i, c in zip(rows, picked):
+            out[todo[i]] = cols[c]
+        return out
+
+    def _horizon_slots(self) -> int:
+        """Slots left in the current exploitation stage, this one included."""
+        return self.alpha + 2 ** self.epoch - self._pos
+
+    def _slot_seconds(self) -> float:
+        if self.slot_s is not None:
+            return self.slot_s
+        return self._seconds / self._observations if self._observations else 1.0
+
+    def _switch_cost(self, rid: Hashable, j: int) -> float:
+        """c_ij: seconds to prefill request `rid`'s context on drafter j."""
+        d = self.drafters[j]
+        tokens = self._context.get(rid, self._tokens[rid])
+        return d.switch_cost_s + d.switch_cost_per_token_s * tokens
+
+    # ---------------------------------------------------------------------------------------
+    # fast switching (section IV-C)
+    def likely_destinations(self) -> dict[Hashable, Placement | None]:
+        """Where each request of the last `assign` drafts at the next change of plan."""
+        return self._likely(list(self._active))
+
+    def likely_destination(self, request_id: Hashable) -> Placement | None:
+        """Where `request_id` drafts at the next change of plan: prefill it there in advance
+        (if that is not where it is now). Exact unless requests, capacity or (in exploitation)
+        the estimates change meanwhile."""
+        ids = list(self._active)
+        if request_id not in ids:
+            ids.append(request_id)
+        return self._likely(ids)[request_id]
+
+    def _likely(self, ids: list[Hashable]) -> dict[Hashable, Placement | None]:
+        key = self._next_key()
+        if key[1] == "exploit":
+            # deviation 7: the matching itself, not argmax_j g~[i, j]
+            return self._match(ids, Counter(), 2 ** key[0])
+        # exploration: draw the next chunk now and keep the draws for it (Algorithm 2 line 4)
+        if self._draws_key != key:
+            self._draws_key, self._draws = key, {}
+        for rid in ids:
+            if rid not in self._draws:
+                self._draws[rid] = self._draw(rid)
+        return {rid: self._draws[rid] for rid in ids}
+
+    # ---------------------------------------------------------------------------------------
+    # feedback
+    def observe(self, request_id: Hashable, drafter: str, accepted_tokens: float,
+                seconds: float) -> None:
+        """One slot's feedback r_ij = accepted_tokens / seconds of request i on drafter j."""
+        if drafter not in self._index:
+            raise ValueError(f"unknown drafter {drafter!r}; known: {list(self._index)}")
+        if not accepted_tokens >= 0 or not math.isfinite(accepted_tokens):
+            raise ValueError(f"accepted_tokens must be a finite number >= 0, got {accepted_tokens}")
+        if not seconds > 0 or not math.isfinite(seconds):
+            raise ValueError(f"seconds must be finite and > 0, got {seconds}")
+        j, r = self._index[drafter], accepted_tokens / seconds
+        # deviation 4: every observation counts, not only the exploration stage's
+        stats = self._stats.setdefault(request_id, np.zeros((2, len(self.drafters))))
+        stats[:, j] += (r, 1)
+        self._drafter_stats[:, j] += (r, 1)
+        self._tokens[request_id] += accepted_tokens
+        self._seconds += seconds
+        self._observations += 1
+
+    def _goodput(self, ids: list[Hashable]) -> np.ndarray:
+        """g~ [N, M]: observed means; the drafter's overall mean where a pair is unobserved."""
+        total, n = self._drafter_stats
+        prior = np.divide(total, n, out=np.zeros_like(total), where=n > 0)      # [M]
+        g = np.tile(prior, (len(ids), 1))
+        for i, rid in enumerate(ids):
+            if rid in self._stats:
+                s, c = self._stats[rid]
+                g[i] = np.where(c > 0, s / np.maximum(c, 1), prior)
+        return g
+
+    def estimates(self) -> dict[Hashable, dict[str, Estimate]]:
+        """g~ and observation counts of every request seen, per drafter."""
+        ids = list(self._stats)
+        g = self._goodput(ids)
+        return {rid: {d.name: Estimate(float(g[i, j]), int(self._stats[rid][1, j]))
+                      for j, d in enumerate(self.drafters)} for i, rid in enumerate(ids)}
+
+    def release(self, request_id: Hashable) -> None:
+        """Forget a finished request (its drafter-level contribution stays)."""
+        for table in (self._stats, self._context, self._home, self._plan, self._draws):
+            table.pop(request_id, None)
+        self._tokens.pop(request_id, None)
+        self._active = [rid for rid in self._active if rid != request_id]
