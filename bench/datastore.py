@@ -16,7 +16,8 @@ HumanEval problems, raw; greedy, 128 new tokens):
             datastore only and with datastore + the 0.5B draft merged
 
     python -m bench.datastore                       # build + quality + latency (~30 min here)
-    python -m bench.datastore --e2e                 # + the 1.5B end-to-end run (~1.5 h more)
+    python -m bench.datastore --e2e                 # + the 1.5B end-to-end run (hours on 2 cores)
+    python -m bench.datastore --e2e-only --e2e-mtbench 16 --e2e-humaneval 8   # add it later
     python -m bench.datastore --quick               # smoke run: 6 prompts x 32 tokens
 Writes bench/results/issue4-datastore.json and .md. Run it alone on the machine.
 """
@@ -119,20 +120,24 @@ def latency(model: str, prompt_ids: list[list[int]], outputs: list[list[int]], n
     return rows
 
 
-def e2e(config: Config, compute) -> dict:
+def e2e(config: Config, compute, nodes: int, with_draft: bool) -> dict:
     settings = Settings(model=config.model, dtype=config.dtype)
     tokenizer = models.load_tokenizer(models.resolve(config.model, settings.cache_dir))
     prompts = load_prompts(config, tokenizer)
     plain, = compute.submit(run_hf_methods, config, prompts, ("plain",)).result()
     rows = [summarize(plain, plain)]
-    for source, name in (("datastore", "specmesh-datastore"), ("both", "specmesh-datastore+draft")):
+    runs = [("datastore", "specmesh-datastore")]
+    if with_draft:
+        runs.append(("both", "specmesh-datastore+draft"))
+    for source, name in runs:
         mesh = settings.with_overrides(drafters=[config.draft], **{
             "speculation.source": source, "speculation.depth": config.depth,
-            "speculation.max_nodes": 10})
+            "speculation.max_nodes": nodes})
         rows.append(summarize(run_embedded(config, prompts, compute, mesh, name), plain))
-    kinds = ["code" if p.category == "code" else "chat" for p in prompts]
-    return {"model": config.model, "draft": config.draft, "prompts": len(prompts),
-            "kinds": kinds, "methods": rows}
+    return {"model": config.model, "draft": config.draft, "dtype": config.dtype,
+            "prompts": len(prompts), "mtbench": config.mtbench, "humaneval": config.humaneval,
+            "max_tokens": config.max_tokens, "nodes": nodes, "depth": config.depth,
+            "methods": rows}
 
 
 def markdown(report: dict) -> str:
@@ -165,8 +170,10 @@ def markdown(report: dict) -> str:
                          f"{r['per_call_ms_p99']:.2f} |")
     if "e2e" in report:
         e = report["e2e"]
-        lines += ["", f"End to end: {e['model']} target (draft {e['draft']}), batch 1, "
-                      f"{e['prompts']} prompts", "",
+        lines += ["", f"End to end: {e['model']} target, {e['dtype']}, batch 1, {e['prompts']} "
+                      f"prompts ({e['mtbench']} MT-Bench + {e['humaneval']} HumanEval) x "
+                      f"{e['max_tokens']} tokens, {e['nodes']} nodes / depth {e['depth']} per "
+                      f"step (draft {e['draft']} where merged)", "",
                   "| method | tok/s | speedup | accepted length | identical to plain |",
                   "|---|---:|---:|---:|---:|"]
         for r in e["methods"]:
@@ -180,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m", help="quality target [smollm2-135m]")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                        help="auto = bf16 where the hardware runs it natively, else fp32 [auto]")
     parser.add_argument("--mtbench", type=int, default=80, help="MT-Bench questions [80]")
     parser.add_argument("--humaneval", type=int, default=20, help="HumanEval problems [20]")
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -188,26 +196,49 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--e2e", action="store_true", help="also the Qwen2.5-Coder-1.5B run")
     parser.add_argument("--e2e-model", default="qwen2.5-coder-1.5b")
     parser.add_argument("--e2e-draft", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--e2e-only", action="store_true",
+                        help="run only the end-to-end part, adding it to the existing report")
+    parser.add_argument("--e2e-dtype", choices=["auto", "bfloat16", "float32"],
+                        help="end-to-end dtype [--dtype]")
+    parser.add_argument("--e2e-nodes", type=int, help="end-to-end draft nodes per step [--nodes]")
+    parser.add_argument("--e2e-depth", type=int, default=4, help="end-to-end tree depth [4]")
+    parser.add_argument("--e2e-mtbench", type=int, help="end-to-end MT-Bench questions "
+                        "[--mtbench]; a subset keeps the one-per-category order")
+    parser.add_argument("--e2e-humaneval", type=int, help="end-to-end HumanEval [--humaneval]")
+    parser.add_argument("--e2e-with-draft", action="store_true",
+                        help="end to end, also datastore + the draft model merged")
     parser.add_argument("--quick", action="store_true", help="6 prompts x 32 tokens")
     args = parser.parse_args(argv)
-    config = Config(args.model, "layers:1", args.dtype, mtbench=args.mtbench,
+    dtype = str(models.resolve_dtype(args.dtype)).removeprefix("torch.")
+    config = Config(args.model, "layers:1", dtype, mtbench=args.mtbench,
                     humaneval=args.humaneval, max_tokens=args.max_tokens)
     if args.quick:
         config = replace(config, mtbench=4, humaneval=2, max_tokens=32)
     compute = compute_executor()
-    report: dict = {"machine": platform.processor() or platform.machine(),
-                    "date": time.strftime("%Y-%m-%d"), "config": asdict(config),
-                    "build": ensure_datastore(args.model)}
-    q = quality(config, args.nodes, compute)
-    report["latency"] = latency(args.model, q.pop("prompt_ids"), q.pop("plain_outputs"),
-                                args.nodes)
-    report["quality"] = q
-    if args.e2e:
-        ensure_datastore(args.e2e_model)
-        report["e2e"] = e2e(replace(config, model=args.e2e_model, draft=args.e2e_draft,
-                                    depth=4), compute)
-    RESULTS.mkdir(parents=True, exist_ok=True)
     name = "issue4-datastore" + ("-quick" if args.quick else "")
+    if args.e2e_only:
+        if not (RESULTS / f"{name}.json").is_file():
+            parser.error(f"--e2e-only adds to {RESULTS / name}.json: run without it first")
+        report = json.loads((RESULTS / f"{name}.json").read_text())
+    else:
+        report = {"machine": platform.processor() or platform.machine(),
+                  "date": time.strftime("%Y-%m-%d"), "config": asdict(config),
+                  "build": ensure_datastore(args.model)}
+        q = quality(config, args.nodes, compute)
+        report["latency"] = latency(args.model, q.pop("prompt_ids"), q.pop("plain_outputs"),
+                                    args.nodes)
+        report["quality"] = q
+    if args.e2e or args.e2e_only:
+        ensure_datastore(args.e2e_model)
+        e2e_config = replace(
+            config, model=args.e2e_model, draft=args.e2e_draft, depth=args.e2e_depth,
+            dtype=str(models.resolve_dtype(args.e2e_dtype)).removeprefix("torch.")
+            if args.e2e_dtype else config.dtype,
+            mtbench=config.mtbench if args.e2e_mtbench is None else args.e2e_mtbench,
+            humaneval=config.humaneval if args.e2e_humaneval is None else args.e2e_humaneval)
+        report["e2e"] = e2e(e2e_config, compute, args.e2e_nodes or args.nodes,
+                            args.e2e_with_draft)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2))
     text = markdown(report)
     (RESULTS / f"{name}.md").write_text(text)
