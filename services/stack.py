@@ -193,9 +193,16 @@ def up(settings: Settings, port: int, detach: bool) -> int:
         state.write_text(json.dumps(stack.describe(), indent=1))
         print(f"specmesh is up: gateway on 127.0.0.1:{port}. Try: specmesh generate \"Hello\" "
               f"--address 127.0.0.1:{port}. Ctrl-C or `specmesh down` stops it.", flush=True)
+        # Ctrl-C reaches the whole foreground process group: the children stop on it too, so a
+        # child found dead right after it is part of the stop, not a failure. Once up, Ctrl-C
+        # sets a flag (not KeyboardInterrupt) so the loop below can tell the two apart.
+        signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
         while not stopping:
             dead = stack.dead_child()
             if dead is not None:
+                time.sleep(0.5)  # a signal to the group may reach this process last
+                if stopping:
+                    break
                 print(f"{dead.role} died (code {dead.process.returncode}); stopping:\n"
                       f"{dead.log_tail()}", file=sys.stderr)
                 return 1

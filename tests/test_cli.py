@@ -86,7 +86,8 @@ def test_ctrl_c_on_up_stops_everything(cli_env, tmp_path):
             pytest.fail(f"up exited with {up.wait()} before the stack was up")
         pids = stack_pids(tmp_path / "run")
         os.killpg(up.pid, signal.SIGINT)  # what Ctrl-C sends to the foreground job
-        assert up.wait(timeout=60) == 0
+        code = up.wait(timeout=60)
+        assert code == 0, up.stdout.read()
     finally:
         if up.poll() is None:
             os.killpg(up.pid, signal.SIGKILL)
