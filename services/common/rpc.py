@@ -8,6 +8,7 @@ its stack).
 """
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import logging
@@ -145,5 +146,10 @@ class LocalStub:
         method = getattr(self._servicer, name)
 
         def call(request, timeout: float | None = None, **_: Any):
-            return method(request, _LocalContext())
+            result = method(request, _LocalContext())
+            if timeout is not None and inspect.iscoroutine(result):
+                # the deadline a real channel enforces: a stuck call raises TimeoutError,
+                # which callers already handle, instead of hanging the request
+                return asyncio.wait_for(result, timeout)
+            return result
         return call
