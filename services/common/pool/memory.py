@@ -44,25 +44,39 @@ class MemoryPool(Pool):
         self._results: dict[str, deque[pool_pb2.VerifyResult]] = {}
         self._releases = _Feed()
         self._ids = itertools.count(1)
-        self._changed = asyncio.Condition()
+        self._waiters: set[asyncio.Future] = set()
 
-    async def _notify(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
+    def _notify(self) -> None:
+        """Wakes every waiter; each re-evaluates its own condition."""
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._waiters.clear()
 
     async def _wait_for(self, ready, block_s: float):
-        """Evaluates `ready()` until it returns something truthy or block_s elapses."""
+        """Evaluates `ready()` until it returns something truthy or block_s elapses.
+
+        One event loop owns the pool, so no lock is needed: `ready()` runs without an await,
+        atomically. A plain future per wait, awaited with asyncio.wait (which never cancels
+        it), replaces asyncio.Condition + wait_for: on Python 3.11 a wait_for cancelled while
+        Condition.wait re-acquires its lock can leave that lock held by a finished task, after
+        which every notify blocks forever (a whole-mesh hang with idle threads, seen once in
+        the test suite)."""
         deadline = time.monotonic() + block_s
-        async with self._changed:
-            while True:
-                value = ready()
-                remaining = deadline - time.monotonic()
-                if value or remaining <= 0:
-                    return value
-                try:
-                    await asyncio.wait_for(self._changed.wait(), remaining)
-                except asyncio.TimeoutError:
-                    pass
+        loop = asyncio.get_running_loop()
+        while True:
+            value = ready()
+            remaining = deadline - time.monotonic()
+            if value or remaining <= 0:
+                return value
+            waiter = loop.create_future()
+            self._waiters.add(waiter)
+            try:
+                await asyncio.wait((waiter,), timeout=remaining)
+            finally:
+                self._waiters.discard(waiter)
+                if not waiter.done():
+                    waiter.cancel()
 
     def _live(self, request_id: str) -> _Request | None:
         req = self._requests.get(request_id)
@@ -89,7 +103,7 @@ class MemoryPool(Pool):
         self._requests.pop(request_id, None)
         self._releases.last += 1
         self._releases.items.append((self._releases.last, request_id))
-        await self._notify()
+        self._notify()
 
     # drafts -----------------------------------------------------------------------------------
     async def submit(self, entry: pool_pb2.DraftEntry) -> str:
@@ -97,7 +111,7 @@ class MemoryPool(Pool):
         copy = pool_pb2.DraftEntry()
         copy.CopyFrom(entry)
         self._queued[entry_id] = copy
-        await self._notify()
+        self._notify()
         return entry_id
 
     async def take(self, consumer: str, count: int, block_s: float) -> list[Taken]:
@@ -134,7 +148,7 @@ class MemoryPool(Pool):
         copy = pool_pb2.VerifyResult()
         copy.CopyFrom(result)
         self._results.setdefault(taken.entry.reply_to, deque()).append(copy)
-        await self._notify()
+        self._notify()
         return True
 
     async def ack(self, taken: Taken) -> None:
