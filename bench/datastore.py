@@ -31,7 +31,8 @@ from dataclasses import asdict, replace
 
 import numpy as np
 
-from bench.run import RESULTS, Config, MethodResult, load_prompts, run_embedded, run_hf_methods
+from bench.run import (RESULTS, Config, MethodResult, load_prompts, run_embedded,
+                       run_hf_methods, save_report)
 from services.common import models
 from services.common.config import DatastoreSettings, Settings
 from services.common.serving import compute_executor
@@ -62,6 +63,23 @@ def summarize(result: MethodResult, plain: MethodResult | None) -> dict:
     return out
 
 
+def by_kind(row: dict, result: MethodResult, plain: MethodResult, kinds: list[str]) -> dict:
+    """Adds tok/s, speedup and accepted length per prompt kind (chat / code) to `row`."""
+    for kind in ("chat", "code"):
+        idx = [i for i, k in enumerate(kinds) if k == kind]
+        if not idx:
+            continue
+        tokens = sum(len(result.outputs[i]) for i in idx)
+        seconds = sum(result.seconds_per_prompt[i] for i in idx)
+        plain_tok_s = (sum(len(plain.outputs[i]) for i in idx)
+                       / sum(plain.seconds_per_prompt[i] for i in idx))
+        row[f"tok_s_{kind}"] = tokens / seconds
+        row[f"speedup_{kind}"] = tokens / seconds / plain_tok_s
+        row[f"mean_accepted_length_{kind}"] = tokens / sum(result.forwards_per_prompt[i]
+                                                           for i in idx)
+    return row
+
+
 def quality(config: Config, nodes: int, compute) -> dict:
     settings = Settings(model=config.model, dtype=config.dtype)
     tokenizer = models.load_tokenizer(models.resolve(config.model, settings.cache_dir))
@@ -73,17 +91,7 @@ def quality(config: Config, nodes: int, compute) -> dict:
     ours = run_embedded(config, prompts, compute, mesh, "specmesh-datastore")
     plain = hf[0]
     kinds = ["code" if p.category == "code" else "chat" for p in prompts]
-    rows = []
-    for result in [*hf, ours]:
-        row = summarize(result, plain)
-        for kind in ("chat", "code"):
-            idx = [i for i, k in enumerate(kinds) if k == kind]
-            part = MethodResult(result.method)
-            part.outputs = [result.outputs[i] for i in idx]
-            part.tokens = sum(len(result.outputs[i]) for i in idx)
-            part.target_forwards = sum(result.forwards_per_prompt[i] for i in idx)
-            row[f"mean_accepted_length_{kind}"] = part.mean_accepted_length
-        rows.append(row)
+    rows = [by_kind(summarize(result, plain), result, plain, kinds) for result in [*hf, ours]]
     lookup = next(r for r in rows if r["method"] == "hf-prompt-lookup")
     mine = rows[-1]
     return {"prompts": [p.name for p in prompts], "nodes_per_step": nodes, "methods": rows,
@@ -120,20 +128,29 @@ def latency(model: str, prompt_ids: list[list[int]], outputs: list[list[int]], n
     return rows
 
 
-def e2e(config: Config, compute, nodes: int, with_draft: bool) -> dict:
+def e2e(config: Config, compute, nodes: int, with_draft: bool,
+        tree_sizes: tuple[str, ...] = ("fixed",)) -> dict:
     settings = Settings(model=config.model, dtype=config.dtype)
     tokenizer = models.load_tokenizer(models.resolve(config.model, settings.cache_dir))
     prompts = load_prompts(config, tokenizer)
+    kinds = ["code" if p.category == "code" else "chat" for p in prompts]
     plain, = compute.submit(run_hf_methods, config, prompts, ("plain",)).result()
-    rows = [summarize(plain, plain)]
+    rows = [by_kind(summarize(plain, plain), plain, plain, kinds)]
     runs = [("datastore", "specmesh-datastore")]
     if with_draft:
         runs.append(("both", "specmesh-datastore+draft"))
     for source, name in runs:
-        mesh = settings.with_overrides(drafters=[config.draft], **{
-            "speculation.source": source, "speculation.depth": config.depth,
-            "speculation.max_nodes": nodes})
-        rows.append(summarize(run_embedded(config, prompts, compute, mesh, name), plain))
+        for sizing in tree_sizes:
+            mesh = settings.with_overrides(drafters=[config.draft], **{
+                "speculation.source": source, "speculation.depth": config.depth,
+                "speculation.max_nodes": nodes, "speculation.tree_size": sizing})
+            label = name + ("-adaptive" if sizing == "adaptive" else "")
+            result = run_embedded(config, prompts, compute, mesh, label)
+            row = by_kind(summarize(result, plain), result, plain, kinds)
+            steps = result.target_forwards - len(prompts)  # after each prefill step
+            row["mean_tree_size"] = result.draft_tokens / steps if steps else 0.0
+            row["plain_step_fraction"] = result.plain_steps / steps if steps else 0.0
+            rows.append(row)
     return {"model": config.model, "draft": config.draft, "dtype": config.dtype,
             "prompts": len(prompts), "mtbench": config.mtbench, "humaneval": config.humaneval,
             "max_tokens": config.max_tokens, "nodes": nodes, "depth": config.depth,
@@ -141,10 +158,13 @@ def e2e(config: Config, compute, nodes: int, with_draft: bool) -> dict:
 
 
 def markdown(report: dict) -> str:
-    b = report["build"]
-    lines = [f"Datastore: ShareGPT V3, {b['num_documents']:,} documents, {b['num_tokens']:,} "
-             f"tokens, {b['bytes'] / 2**20:,.0f} MiB on disk, built in "
-             f"{b['build_seconds']:.0f} s (tokenize + suffix array)."]
+    lines = []
+    for key, what in (("build", "quality target"), ("e2e_build", "end-to-end target")):
+        if key in report:
+            b = report[key]
+            lines.append(f"Datastore ({what}): ShareGPT V3, {b['num_documents']:,} documents, "
+                         f"{b['num_tokens']:,} tokens, {b['bytes'] / 2**20:,.0f} MiB on disk, "
+                         f"built in {b['build_seconds']:.0f} s (tokenize + suffix array).")
     if "quality" in report:
         q = report["quality"]
         c = report["config"]
@@ -174,12 +194,18 @@ def markdown(report: dict) -> str:
                       f"prompts ({e['mtbench']} MT-Bench + {e['humaneval']} HumanEval) x "
                       f"{e['max_tokens']} tokens, {e['nodes']} nodes / depth {e['depth']} per "
                       f"step (draft {e['draft']} where merged)", "",
-                  "| method | tok/s | speedup | accepted length | identical to plain |",
-                  "|---|---:|---:|---:|---:|"]
+                  "| method | tok/s | speedup | chat | code | accepted length | chat | code "
+                  "| mean tree | plain steps | identical to plain |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in e["methods"]:
             lines.append(f"| {r['method']} | {r['tok_s']:.2f} | {r['speedup']:.2f}x | "
-                         f"{r['mean_accepted_length']:.2f} | {r['identical_to_plain']}/"
-                         f"{e['prompts']} |")
+                         f"{r.get('speedup_chat', 0):.2f}x | {r.get('speedup_code', 0):.2f}x | "
+                         f"{r['mean_accepted_length']:.2f} | "
+                         f"{r.get('mean_accepted_length_chat', 0):.2f} | "
+                         f"{r.get('mean_accepted_length_code', 0):.2f} | "
+                         f"{r.get('mean_tree_size', 0):.1f} | "
+                         f"{100 * r.get('plain_step_fraction', 0):.0f}% | "
+                         f"{r['identical_to_plain']}/{e['prompts']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -207,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--e2e-humaneval", type=int, help="end-to-end HumanEval [--humaneval]")
     parser.add_argument("--e2e-with-draft", action="store_true",
                         help="end to end, also datastore + the draft model merged")
+    parser.add_argument("--e2e-tree-size", nargs="+", choices=["fixed", "adaptive"],
+                        default=["fixed"], help="end-to-end tree sizing(s) to run [fixed]")
     parser.add_argument("--quick", action="store_true", help="6 prompts x 32 tokens")
     args = parser.parse_args(argv)
     dtype = str(models.resolve_dtype(args.dtype)).removeprefix("torch.")
@@ -216,10 +244,11 @@ def main(argv: list[str] | None = None) -> int:
         config = replace(config, mtbench=4, humaneval=2, max_tokens=32)
     compute = compute_executor()
     name = "issue4-datastore" + ("-quick" if args.quick else "")
-    if args.e2e_only:
-        if not (RESULTS / f"{name}.json").is_file():
-            parser.error(f"--e2e-only adds to {RESULTS / name}.json: run without it first")
-        report = json.loads((RESULTS / f"{name}.json").read_text())
+    if args.e2e_only:  # added to the earlier report where there is one
+        path = RESULTS / f"{name}.json"
+        report = (json.loads(path.read_text()) if path.is_file() else
+                  {"machine": platform.processor() or platform.machine(),
+                   "date": time.strftime("%Y-%m-%d"), "config": asdict(config)})
     else:
         report = {"machine": platform.processor() or platform.machine(),
                   "date": time.strftime("%Y-%m-%d"), "config": asdict(config),
@@ -229,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                                     args.nodes)
         report["quality"] = q
     if args.e2e or args.e2e_only:
-        ensure_datastore(args.e2e_model)
+        report["e2e_build"] = ensure_datastore(args.e2e_model)
         e2e_config = replace(
             config, model=args.e2e_model, draft=args.e2e_draft, depth=args.e2e_depth,
             dtype=str(models.resolve_dtype(args.e2e_dtype)).removeprefix("torch.")
@@ -237,12 +266,8 @@ def main(argv: list[str] | None = None) -> int:
             mtbench=config.mtbench if args.e2e_mtbench is None else args.e2e_mtbench,
             humaneval=config.humaneval if args.e2e_humaneval is None else args.e2e_humaneval)
         report["e2e"] = e2e(e2e_config, compute, args.e2e_nodes or args.nodes,
-                            args.e2e_with_draft)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2))
-    text = markdown(report)
-    (RESULTS / f"{name}.md").write_text(text)
-    print(text)
+                            args.e2e_with_draft, tuple(args.e2e_tree_size))
+    save_report(name, report, markdown(report))
     compute.shutdown()
     return 0
 

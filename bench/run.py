@@ -80,6 +80,9 @@ class MethodResult:
     target_forwards: int = 0
     outputs: list[list[int]] = field(default_factory=list)
     forwards_per_prompt: list[int] = field(default_factory=list)
+    seconds_per_prompt: list[float] = field(default_factory=list)
+    draft_tokens: int = 0  # tree nodes verified (specmesh methods)
+    plain_steps: int = 0  # steps that verified no tree (adaptive sizing switched it off)
     identical_to_plain: int | None = 0
 
     @property
@@ -89,6 +92,14 @@ class MethodResult:
     @property
     def mean_accepted_length(self) -> float:
         return self.tokens / self.target_forwards if self.target_forwards else 0.0
+
+
+def save_report(name: str, report, text: str) -> None:
+    """bench/results/<name>.json (the figures) and .md (the table), then the table printed."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2))
+    (RESULTS / f"{name}.md").write_text(text)
+    print(text)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,7 +149,9 @@ def run_hf_methods(config: Config, prompts: list[Prompt],
                 forwards[0] = 0
                 start = time.perf_counter()
                 new = _hf_generate(target, prompt.ids, config.max_tokens, pad, extra)
-                result.seconds += time.perf_counter() - start
+                elapsed = time.perf_counter() - start
+                result.seconds += elapsed
+                result.seconds_per_prompt.append(elapsed)
                 result.tokens += len(new)
                 result.target_forwards += forwards[0]
                 result.forwards_per_prompt.append(forwards[0])
@@ -225,9 +238,12 @@ def _record(result: MethodResult, prompt: Prompt, out, seconds: float) -> None:
         raise RuntimeError(f"{prompt.name}: the gateway tokenized {out.stats.prompt_tokens} "
                            f"tokens, the benchmark {len(prompt.ids)}")
     result.seconds += seconds
+    result.seconds_per_prompt.append(seconds)
     result.tokens += len(out.token_ids)
     result.target_forwards += out.stats.steps
     result.forwards_per_prompt.append(out.stats.steps)
+    result.draft_tokens += out.stats.draft_tokens
+    result.plain_steps += out.stats.plain_steps
     result.outputs.append(list(out.token_ids))
 
 
