@@ -43,6 +43,21 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                         "`specmesh datastore build`), or both merged [model]")
     g.add_argument("--max-nodes", type=int,
                    help="node budget of a datastore (or merged) tree per step [8]")
+    g.add_argument("--tree-size", choices=["fixed", "adaptive", "length"],
+                   help="fixed: the configured tree every step; adaptive: per request and step "
+                        "the size with the most expected tokens/s, plain decoding when "
+                        "speculation cannot pay (ProPD); length: Minions' adaptive "
+                        "speculation length [fixed]")
+    g.add_argument("--select", dest="selection",
+                   choices=["fixed", "lbss", "greedy", "epsilon-greedy"],
+                   help="which source drafts for which request: fixed = --speculate for all; "
+                        "lbss = SPIN's bandit over the datastore and each --draft model; "
+                        "greedy (by prompt length) and epsilon-greedy are SPIN's baselines "
+                        "[fixed]")
+    g.add_argument("--vote", dest="voting", action="store_true", default=None,
+                   help="majority vote (Minions): every --draft model (and the datastore with "
+                        "--speculate both) drafts each step; the weighted-majority path is "
+                        "verified")
     g.add_argument("--cache-dir", type=Path, help="converted weights [~/.cache/specmesh]")
     g = p.add_argument_group("datastore")
     g.add_argument("--datastore-path", type=Path,
@@ -98,6 +113,9 @@ def settings_from(args: argparse.Namespace) -> Settings:
         datastore_address=get("datastore_address"),
         **{"speculation.depth": get("depth"), "speculation.width": get("width"),
            "speculation.source": get("source"), "speculation.max_nodes": get("max_nodes"),
+           "speculation.tree_size": get("tree_size"),
+           "speculation.selection": get("selection"),
+           "speculation.voting": get("voting"),
            "datastore.path": get("datastore_path"),
            "telemetry.otlp_endpoint": get("otlp_endpoint"),
            "telemetry.console": get("trace_console"),

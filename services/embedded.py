@@ -76,7 +76,8 @@ class EmbeddedMesh:
                           tuple(models.eos_token_ids(path, tokenizer)))
         router = Router(pool, LocalStub(drafter) if drafter else None, tokenizer, info,
                         settings.speculation, settings.router,
-                        datastore=LocalStub(datastore) if datastore else None)
+                        datastore=LocalStub(datastore) if datastore else None,
+                        drafter_names=list(drafter.models) if drafter else None)
         served = ServedModel(settings.model, tokenizer, target.context_length,
                              settings.max_tokens_default, settings.max_tokens_limit)
         gateway = LocalStub(GatewayServicer(LocalStub(RouterServicer(router)), served))

@@ -40,6 +40,11 @@ def stack(base_settings, redis_server, collector, tmp_path_factory, small_datast
         redis_url=redis_server.url, pool_prefix="test-stack", drafters=["layers:24"],
         **{"speculation.depth": 2, "speculation.width": 1, "verifier.claim_idle_s": 2.0,
            "speculation.source": "both", "speculation.max_nodes": 6,
+           # the router's mechanisms on across processes: LBSS over the datastore, the draft
+           # model and their vote (the router asks the drafter service for its models), with
+           # adaptive tree sizes
+           "speculation.selection": "lbss", "speculation.voting": True,
+           "speculation.slot_s": 0.5, "speculation.tree_size": "adaptive",
            "datastore.path": small_datastore,
            "telemetry.otlp_endpoint": f"127.0.0.1:{collector.port}"})
     s = Stack(settings, free_port(), tmp_path_factory.mktemp("stack-logs"))
@@ -70,6 +75,10 @@ def test_multiprocess_greedy_equals_target_generate(stack, questions, hf_greedy_
                   if out.token_ids != ref]
     assert not mismatches, f"{len(mismatches)}/{NUM_QUESTIONS} differ from the target: {mismatches}"
     assert sum(o.stats.accepted_tokens for o in outputs) > 0
+    # every step's decision reaches the client through the gateway and the SDK
+    assert all(len(o.stats.decisions) == o.stats.steps > 0 for o in outputs)
+    arms = {d.arm for o in outputs for d in o.stats.decisions[1:]}
+    assert arms <= {"datastore", "smollm2-135m:layers=24", "vote"} and len(arms) > 1, arms
 
 
 INVALID = [

@@ -154,14 +154,23 @@ def test_acceptance_updates_from_the_accepted_nodes_by_hand():
     tree = TokenTree(tokens=(10, 11, 12, 13), parents=(-1, -1, 0, 1), scores=(0.9, 0.8, 0.7, 0.6))
     profile.observe_tree(tree, [10, 12, 99])  # a, c accepted, 99 the bonus
     # depth 1: 2 candidates, rank 1 drawn: P^1 = .5*.5 + .5, P^2 = .5*.75 + .5
-    # depth 2: a has 1 candidate, rank 1 drawn: P^1 = .5*.5 + .5, P^2 untouched
-    assert profile.cumulative == [[0.75, 0.875], [0.75, 0.75]]
+    # depth 2: a has 1 candidate, rank 1 drawn: P^1 = .5*.5 + .5, and the top-2 of one
+    # candidate is that candidate: P^2 = .5*.75 + .5
+    assert profile.cumulative == [[0.75, 0.875], [0.75, 0.875]]
     assert profile.p(1, 1) == pytest.approx(0.75) and profile.p(1, 2) == pytest.approx(0.125)
-    assert profile.p(2, 2) == 0.0
     profile.observe_tree(tree, [11, 55])  # b (rank 2) accepted, then none of b's children
-    assert profile.cumulative == [[0.375, 0.9375], [0.375, 0.75]]
+    assert profile.cumulative == [[0.375, 0.9375], [0.375, 0.4375]]
     profile.observe_tree(tree, [77])  # nothing accepted at depth 1
-    assert profile.cumulative == [[0.1875, 0.46875], [0.375, 0.75]]
+    assert profile.cumulative == [[0.1875, 0.46875], [0.375, 0.4375]]
+
+
+def test_a_chain_drafter_never_makes_wider_trees_look_valuable():
+    profile = AcceptanceProfile(max_depth=2, max_rank=3, alpha=0.1)
+    chain = TokenTree.chain([10, 11])
+    for _ in range(100):
+        profile.observe_tree(chain, [99])  # the one candidate always misses
+    assert profile.p(1, 1) < 0.01 and profile.p(1, 2) < 0.01 and profile.p(1, 3) < 0.01
+    assert profile.expected_tokens(8)[-1] < 1.05
 
 
 def test_ranks_follow_scores_then_tree_order():

@@ -5,8 +5,8 @@
 """
 from specmesh.client import AsyncClient, Client, build_request
 from specmesh.errors import InvalidRequest, SpecmeshError, Unavailable
-from specmesh.types import Chunk, Generation, Stats
+from specmesh.types import Chunk, Decision, Generation, Stats
 
-__all__ = ["AsyncClient", "Chunk", "Client", "Generation", "InvalidRequest", "SpecmeshError",
-           "Stats", "Unavailable", "build_request"]
+__all__ = ["AsyncClient", "Chunk", "Client", "Decision", "Generation", "InvalidRequest",
+           "SpecmeshError", "Stats", "Unavailable", "build_request"]
 __version__ = "0.1.0"

@@ -18,6 +18,26 @@ def finish_reason_name(value: int) -> str | None:
 
 
 @dataclass(frozen=True)
+class Decision:
+    """What the router decided for one step, and what came of it."""
+
+    step: int
+    arm: str  # the source chosen: a draft model, "datastore", "vote", "configured"; "" = prefill
+    budget: int  # nodes asked of the sources (0 = speculation off)
+    tree_size: int  # nodes verified
+    expected_length: float  # tokens the router expected (bonus counted)
+    emitted: int  # tokens the step emitted (accepted + bonus)
+    seconds: float
+    drafters: tuple[str, ...]  # sources whose nodes were in the tree
+    probe: bool  # a measurement step away from the chosen size
+
+    @classmethod
+    def from_pb(cls, pb: common_pb2.StepDecision) -> "Decision":
+        return cls(pb.step, pb.arm, pb.budget, pb.tree_size, pb.expected_length, pb.emitted,
+                   pb.seconds, tuple(pb.drafters), pb.probe)
+
+
+@dataclass(frozen=True)
 class Stats:
     """Speculation statistics of one request."""
 
@@ -29,10 +49,15 @@ class Stats:
     mean_accepted_length: float = 0.0  # tokens per step, bonus counted
     time_to_first_token_s: float = 0.0
     total_time_s: float = 0.0
+    plain_steps: int = 0  # steps that verified no tree (adaptive sizing turned speculation off)
+    mean_expected_length: float = 0.0  # the router's expectation, to compare with the above
+    decisions: tuple[Decision, ...] = ()  # every step; in the final chunk / response only
 
     @classmethod
     def from_pb(cls, pb: common_pb2.GenerationStats) -> "Stats":
-        return cls(**{name: getattr(pb, name) for name in cls.__dataclass_fields__})
+        fields = {name: getattr(pb, name) for name in cls.__dataclass_fields__
+                  if name != "decisions"}
+        return cls(**fields, decisions=tuple(Decision.from_pb(d) for d in pb.decisions))
 
 
 @dataclass(frozen=True)

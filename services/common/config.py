@@ -18,7 +18,7 @@ DEFAULT_GATEWAY_PORT = 50051
 
 
 class SpeculationSettings(BaseModel):
-    """Fixed tree shape the router asks drafters for (adaptive sizing comes later)."""
+    """What the router asks the draft sources for: the tree shape, and how its size is chosen."""
 
     depth: int = Field(3, ge=0, le=64, description="draft tokens per path (0 = plain decoding)")
     width: int = Field(1, ge=1, le=64, description="nodes kept per depth level (1 = chain)")
@@ -27,6 +27,33 @@ class SpeculationSettings(BaseModel):
                              "both merged into one tree")
     max_nodes: int = Field(8, ge=1, le=256, description="node budget of a datastore tree (and of "
                                                          "a merged tree)")
+    tree_size: Literal["fixed", "adaptive", "length"] = Field(
+        "fixed", description="fixed: every step drafts the configured tree; adaptive: per request "
+                             "and step, the node budget with the most expected tokens per second "
+                             "(ProPD: measured step times, per-request acceptance), 0 = plain "
+                             "decoding when speculation cannot pay; length: Minions' adaptive "
+                             "speculation length (slope of step time / verified length)")
+    probe_every: int = Field(16, ge=0, description="adaptive: every N steps one step at a "
+                                                   "neighbouring size keeps the cost model fresh "
+                                                   "(0 = never)")
+    selection: Literal["fixed", "lbss", "greedy", "epsilon-greedy"] = Field(
+        "fixed", description="which source drafts for which request: fixed = the `source` "
+                             "setting for every request; lbss = SPIN's bandit over the datastore "
+                             "and each draft model (learnt goodput, capacities); greedy = by "
+                             "prompt length; epsilon-greedy (SPIN's baselines)")
+    slot_s: float = Field(1.0, gt=0, description="selection: seconds per time slot (plans are "
+                                                 "kept for a slot)")
+    drafter_capacity: int = Field(8, ge=1, description="selection: requests a draft model "
+                                                       "serves at once")
+    epsilon: float = Field(0.2, ge=0, le=1, description="epsilon-greedy: share of slots in "
+                                                        "which all requests take the best source")
+    voting: bool = Field(False, description="majority vote (Minions): every source drafts each "
+                                            "step, their paths are merged by weighted vote and "
+                                            "the voted path is verified (selection=fixed only)")
+    vote_union_extra_s: float = Field(0.0, ge=0, description="voting: verify every source's path "
+                                      "(the union) when its extra nodes cost at most this many "
+                                      "seconds by the measured step-cost slope (0 = voted path "
+                                      "only, as Minions)")
 
 
 class DatastoreSettings(BaseModel):
@@ -68,6 +95,11 @@ class VerifierSettings(BaseModel):
 class RouterSettings(BaseModel):
     step_timeout_s: float = Field(120.0, gt=0, description="give up on a step after this long")
     request_ttl_s: float = Field(3600.0, gt=0, description="pool state expiry of abandoned requests")
+    max_pending_trees: int = Field(8, ge=0, description="back-pressure: pause drafting while this "
+                                   "many trees wait in the pool (the verifier's batch size; "
+                                   "0 = never)")
+    draft_batch_max: int = Field(64, ge=1, description="micro-batching: most Draft/Lookup items "
+                                                       "sent in one call")
 
 
 class Settings(BaseSettings):

@@ -8,29 +8,46 @@ the stop conditions. The sources (`speculation.source`): the drafter service's m
 lookup datastore (SSSD), or both, their trees merged into one (a union of their paths). A
 failing source never fails the request: the step runs without its tree, and the source is
 re-synchronised with the whole context next step (drafter re-prefill, datastore index reset).
+
+How big a tree each step asks for is the policy's (`policy.py`): the configured tree every step
+(`speculation.tree_size=fixed`), or per request and step the node budget with the most
+expected tokens per second, 0 = this step verifies no tree (adaptive, ProPD). Every step's
+decision and outcome is recorded in the request's stats and on its `router.submit` span.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import secrets
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import trace
 
 from services.common import telemetry
 from services.common.config import RouterSettings, SpeculationSettings
 from services.common.pool import Pool
 from services.common.sampling import SamplingParams
 from services.common.text import TextStream
-from services.router.stats import RequestStats
 from services.common.tree import TokenTree
+from services.router.batching import MicroBatcher
+from services.router.policy import RequestSizing, StepChoice, TreeSizing
+from services.router.policy import bucket_of as _bucket
+from services.router.selection import Arm, Selection, make_selection
+from services.router.voting import MajorityVoter, Vote, choose_tree
+from services.router.stats import RequestStats
 from specmesh.v1 import common_pb2, datastore_pb2, drafter_pb2, pool_pb2, router_pb2
 
 log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)
+
+FIXED_ARM = "configured"  # no selection: the sources `speculation.source` names, merged
+DATASTORE_ARM = "datastore"
+VOTE_ARM = "vote"  # every source drafts, the majority-voted path is verified
+DATASTORE_CAPACITY = 1024  # requests one lookup call serves (the service's batch limit)
 
 
 @dataclass(frozen=True)
@@ -46,7 +63,8 @@ class TargetInfo:
 class Router:
     def __init__(self, pool: Pool, drafter, tokenizer, target: TargetInfo,
                  speculation: SpeculationSettings, settings: RouterSettings,
-                 router_id: str | None = None, drafter_name: str = "", datastore=None) -> None:
+                 router_id: str | None = None, drafter_name: str = "", datastore=None,
+                 drafter_names: list[str] | None = None) -> None:
         if speculation.source != "model" and speculation.depth > 0 and datastore is None:
             raise ValueError(f"speculation.source={speculation.source!r} needs a datastore service")
         self.pool = pool
@@ -60,6 +78,73 @@ class Router:
         self.drafter_name = drafter_name
         self._waiting: dict[tuple[str, int], asyncio.Future] = {}
         self._dispatcher: asyncio.Task | None = None
+        self.live: dict[str, int] = {}  # requests being generated -> prompt length
+        # micro-batching: the Draft / Lookup calls of loops that are ready together -> one call
+        self.drafts = MicroBatcher(
+            lambda request, timeout: self.drafter.Draft(request, timeout=timeout),
+            lambda items: drafter_pb2.DraftBatchRequest(items=items), settings.draft_batch_max)
+        self.lookups = MicroBatcher(
+            lambda request, timeout: self.datastore.Lookup(request, timeout=timeout),
+            lambda items: datastore_pb2.LookupBatchRequest(items=items), settings.draft_batch_max)
+        self.backpressure_waits = 0
+        self._sizings: dict[str, TreeSizing] = {}  # per arm: step times, prior acceptance
+        self.drafter_names = list(drafter_names or [drafter_name])
+        # majority vote (Minions 3.2) over every source: the configured arm with selection=fixed,
+        # else one more arm for the selection
+        self.voter: MajorityVoter | None = None
+        if speculation.voting and speculation.depth > 0:
+            voters = [*(self.drafter_names if speculation.source != "datastore" else []),
+                      *([DATASTORE_ARM] if speculation.source != "model" else [])]
+            self.voter = MajorityVoter(voters)
+        self._votes_since_update = 0
+        self.selection: Selection | None = None
+        if speculation.selection != "fixed" and speculation.depth > 0:
+            self.selection = make_selection(speculation.selection,
+                                            self.arms(drafter_names or [drafter_name]),
+                                            speculation.slot_s, epsilon=speculation.epsilon)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.live)
+
+    def arms(self, drafter_names: list[str]) -> list[Arm]:
+        """What a selection chooses from, cheapest first: the datastore, then the drafter's
+        models in the order they are configured."""
+        source = self.speculation.source
+        out = [Arm(DATASTORE_ARM, DATASTORE_CAPACITY)] if source != "model" else []
+        if source != "datastore":
+            out += [Arm(name, self.speculation.drafter_capacity) for name in drafter_names]
+        if self.speculation.voting:  # voting is one more arm: the bandit learns if it pays
+            out.append(Arm(VOTE_ARM, self.speculation.drafter_capacity))
+        return out
+
+    def sizing_for(self, arm: str) -> TreeSizing:
+        """The tree-size policy's router-wide state of an arm (drafting costs differ per arm)."""
+        if arm not in self._sizings:
+            self._sizings[arm] = TreeSizing(
+                max_nodes=self.max_tree_nodes(arm), max_depth=self.speculation.depth,
+                probe_every=self.speculation.probe_every, mode=self.speculation.tree_size)
+        return self._sizings[arm]
+
+    def observe_vote(self, vote: Vote, emitted: list[int]) -> None:
+        """Credits the voted drafter; weights are updated once per verifier batch's worth of
+        outputs (Minions: after each verified batch; the router sees requests, not batches)."""
+        self.voter.observe(vote, emitted)
+        self._votes_since_update += 1
+        if self._votes_since_update >= max(self.in_flight, 1):
+            self.voter.update()
+            self._votes_since_update = 0
+
+    def max_tree_nodes(self, arm: str = FIXED_ARM) -> int:
+        """The largest tree a step can ask for: a model's depth x width, the datastore's (or
+        the merged tree's) node budget."""
+        spec = self.speculation
+        if spec.depth == 0:
+            return 0
+        if arm == VOTE_ARM:
+            return spec.max_nodes
+        model_only = (spec.source == "model") if arm == FIXED_ARM else arm != DATASTORE_ARM
+        return spec.depth * spec.width if model_only else spec.max_nodes
 
     # result dispatch --------------------------------------------------------------------------
     def start(self) -> None:
@@ -96,16 +181,36 @@ class Router:
             span.set_attributes({"specmesh.request_id": request_id,
                                  "specmesh.prompt_tokens": len(prompt)})
             await self.pool.put_request(state, self.settings.request_ttl_s)
+            if request_id in self.live:
+                raise ValueError(f"request {request_id} is already being generated")
             loop = _RequestLoop(self, request, request_id, prompt)
+            self.live[request_id] = len(prompt)
             try:
                 async for chunk in loop.run():
                     yield chunk
             finally:
+                del self.live[request_id]
+                if self.selection is not None:
+                    self.selection.release(request_id)
                 loop.cancel_prefill()
                 span.set_attributes({"specmesh.steps": loop.stats.steps,
                                      "specmesh.mean_accepted_length":
                                          loop.stats.mean_accepted_length})
                 await self._release(request_id)
+
+    async def wait_for_room(self) -> None:
+        """Back-pressure: while the pool holds `max_pending_trees` trees not yet verified, a new
+        tree would only wait there, so drafting pauses (the drafters' time goes to requests
+        whose trees will be verified sooner)."""
+        limit = self.settings.max_pending_trees
+        if not limit:
+            return
+        waited = False
+        deadline = time.monotonic() + self.settings.step_timeout_s
+        while await self.pool.pending() >= limit and time.monotonic() < deadline:
+            waited = True
+            await asyncio.sleep(0.002)
+        self.backpressure_waits += waited
 
     def _validate(self, request: router_pb2.RouteRequest, prompt: list[int],
                   params: SamplingParams) -> None:
@@ -133,13 +238,15 @@ class Router:
             log.warning("releasing %s: %s", request_id, err)
 
     async def verify(self, request_id: str, step: int, base_len: int,
-                     tree: common_pb2.TokenTree) -> pool_pb2.VerifyResult:
+                     tree: common_pb2.TokenTree, attributes: dict | None = None
+                     ) -> pool_pb2.VerifyResult:
         """Submits one tree to the pool and waits for its result."""
         future = asyncio.get_running_loop().create_future()
         self._waiting[(request_id, step)] = future
         try:
             with tracer.start_as_current_span("router.submit") as span:
-                span.set_attributes({"specmesh.step": step, "specmesh.tree_size": len(tree.tokens)})
+                span.set_attributes({"specmesh.step": step, "specmesh.tree_size": len(tree.tokens),
+                                     **(attributes or {})})
                 entry = pool_pb2.DraftEntry(request_id=request_id, step=step, base_len=base_len,
                                             tree=tree, reply_to=self.router_id,
                                             trace_context=telemetry.inject())
@@ -157,6 +264,14 @@ class Router:
         return result
 
 
+class _DrafterSync:
+    """What one model drafter holds of a request: a prefill in flight, tokens it has not seen."""
+
+    def __init__(self, task: asyncio.Task) -> None:
+        self.prefill_task: asyncio.Task | None = task
+        self.new_tokens: list[int] = []  # emitted since the drafter's last call
+
+
 class _RequestLoop:
     """State of one request's loop inside the router."""
 
@@ -172,29 +287,71 @@ class _RequestLoop:
         self.stops = set(router.target.eos_token_ids) | set(request.stop_token_ids)
         self.max_new = min(request.max_tokens, router.target.context_length - len(prompt))
         self.speculating = router.speculation.depth > 0
-        source = router.speculation.source
-        self.use_model = self.speculating and source in ("model", "both")
-        self.use_datastore = self.speculating and source in ("datastore", "both")
-        self.prefill_task: asyncio.Task | None = None
-        self.new_tokens: list[int] = []  # accepted since the drafter's last call
+        self.sizings: dict[str, RequestSizing] = {}  # per arm
+        self.decisions: list[common_pb2.StepDecision] = []
+        self.syncs: dict[str, _DrafterSync] = {}  # per model drafter name
         self.lookup_tokens: list[int] = list(prompt)  # not yet sent to the datastore
         self.lookup_reset = True  # the next lookup sends the whole context
+        self.vote: Vote | None = None  # this step's vote, when voting
+
+    def sizing(self, arm: str) -> RequestSizing:
+        if arm not in self.sizings:
+            self.sizings[arm] = self.router.sizing_for(arm).for_request()
+        return self.sizings[arm]
+
+    def arm(self) -> str | None:
+        """This step's draft source: the configured one, or the selection's choice."""
+        router = self.router
+        if router.selection is None:
+            return FIXED_ARM
+        return router.selection.arm_for(self.request_id, router.live)
 
     async def run(self) -> AsyncIterator[router_pb2.RouteChunk]:
-        if self.use_model:
-            self.prefill_task = asyncio.create_task(self._prefill_drafter(self.prompt))
+        if self.speculating:  # prefill the drafter the first step will use, during step 0
+            self._warm(self.arm())
         step = 0
         while True:
-            tree = await self._draft() if step > 0 else common_pb2.TokenTree()
-            result = await self.router.verify(self.request_id, step, len(self.generated), tree)
-            self.stats.observe_step(len(tree.tokens), len(result.accepted))
+            started = time.perf_counter()
+            in_flight = self.router.in_flight
+            arm = self.arm() if step > 0 and self.speculating else None
+            choice = self.sizing(arm).choose(in_flight) if arm else StepChoice(0, 1.0)
+            if choice.budget > 0:
+                await self.router.wait_for_room()
+                tree_pb = await self._draft(arm, choice.budget)
+            else:
+                tree_pb = common_pb2.TokenTree()
+            tree = TokenTree.from_pb(tree_pb)
+            drafters = _drafters(tree)
+            result = await self.router.verify(
+                self.request_id, step, len(self.generated), tree_pb,
+                {"specmesh.arm": arm or "", "specmesh.budget": choice.budget,
+                 "specmesh.probe": choice.probe,
+                 "specmesh.expected_length": choice.expected_length,
+                 "specmesh.drafters": drafters})
             emitted = [*result.accepted, result.bonus]
+            seconds = time.perf_counter() - started
+            sizing = self.sizing(arm or FIXED_ARM)
+            self.decisions.append(sizing.observe(step, choice, tree, emitted, seconds, in_flight,
+                                                 drafters, arm or ""))
+            if arm and self.router.selection is not None:
+                self.router.selection.observe(self.request_id, arm, len(emitted), seconds)
+            if self.vote is not None:
+                self.router.observe_vote(self.vote, emitted)
+                self.vote = None
+            self.stats.observe_step(len(tree), len(result.accepted), choice.expected_length)
+            trace.get_current_span().add_event("router.step", {
+                "specmesh.step": step, "specmesh.arm": arm or "", "specmesh.budget":
+                    choice.budget, "specmesh.tree_size": len(tree), "specmesh.expected_length":
+                    choice.expected_length, "specmesh.emitted": len(emitted)})
             chunk = self._emit(emitted)
             yield chunk
             if chunk.finish_reason:
                 return
-            self.new_tokens.extend(emitted)
+            for sync in self.syncs.values():
+                sync.new_tokens.extend(emitted)
             self.lookup_tokens.extend(emitted)
+            if self.router.selection is not None:  # fast switching: prefill where it goes next
+                self._warm(self.router.selection.likely_arm(self.request_id))
             step += 1
 
     def _emit(self, emitted: list[int]) -> router_pb2.RouteChunk:
@@ -212,40 +369,83 @@ class _RequestLoop:
                 break
         self.stats.observe_emitted(len(out))
         text = self.text.finish() if finish else self.text.take()
+        stats = self.stats.to_pb()
+        if finish:  # the per-step record goes out once, with the last chunk
+            stats.decisions.extend(self.decisions)
         return router_pb2.RouteChunk(token_ids=out, text=text, finish_reason=finish,
-                                     stats=self.stats.to_pb())
+                                     stats=stats)
 
     # drafting ---------------------------------------------------------------------------------
-    async def _prefill_drafter(self, tokens: list[int]) -> bool:
+    def _model_names(self, arm: str | None) -> list[str]:
+        """The model drafters an arm drafts with ("" = the drafter's default model)."""
+        if arm is None or arm == DATASTORE_ARM:
+            return []
+        source = self.router.speculation.source
+        if arm == VOTE_ARM:
+            return self.router.drafter_names if source != "datastore" else []
+        if arm == FIXED_ARM:
+            if source == "datastore":
+                return []
+            return self.router.drafter_names if self.router.voter else [self.router.drafter_name]
+        return [arm]
+
+    def _uses_datastore(self, arm: str | None) -> bool:
+        source = self.router.speculation.source
+        return (arm == DATASTORE_ARM or (arm in (FIXED_ARM, VOTE_ARM) and
+                                         source in ("datastore", "both")))
+
+    def _votes(self, arm: str) -> bool:
+        return arm == VOTE_ARM or (arm == FIXED_ARM and self.router.voter is not None)
+
+    def _warm(self, arm: str | None) -> None:
+        """Starts the prefill of the arm's drafter models that do not hold this request yet."""
+        for name in self._model_names(arm):
+            if name not in self.syncs:
+                self.syncs[name] = _DrafterSync(asyncio.create_task(
+                    self._prefill_drafter(name, self.prompt + self.generated)))
+
+    async def _prefill_drafter(self, name: str, tokens: list[int]) -> bool:
         try:
             await self.router.drafter.Prefill(drafter_pb2.DraftPrefillRequest(
-                request_id=self.request_id, drafter=self.router.drafter_name, token_ids=tokens),
+                request_id=self.request_id, drafter=name, token_ids=tokens),
                 timeout=self.router.settings.step_timeout_s)
             return True
         except (grpc.RpcError, asyncio.TimeoutError) as err:
             log.warning("drafter prefill of %s failed: %s", self.request_id, _describe(err))
             return False
 
-    async def _draft(self) -> common_pb2.TokenTree:
-        if self.use_model and self.use_datastore:
-            model_tree, lookup_tree = await asyncio.gather(self._draft_model(), self._lookup())
-            return TokenTree.union([TokenTree.from_pb(model_tree),
-                                    TokenTree.from_pb(lookup_tree)]).to_pb()
-        if self.use_datastore:
-            return await self._lookup()
-        if self.use_model:
-            return await self._draft_model()
-        return common_pb2.TokenTree()
+    async def _draft(self, arm: str, budget: int) -> common_pb2.TokenTree:
+        """A tree of at most `budget` nodes from the arm's sources (fixed sizing: the
+        configured tree, as drafted)."""
+        self._warm(arm)
+        names = self._model_names(arm)
+        parts = [self._draft_model(name, budget) for name in names]
+        if self._uses_datastore(arm):
+            parts.append(self._lookup(budget))
+            names = [*names, DATASTORE_ARM]
+        trees = [TokenTree.from_pb(t) for t in await asyncio.gather(*parts)]
+        sizing = self.sizing(arm)
+        if self._votes(arm):
+            self.vote = self.router.voter.vote(
+                {name: _best_path(t) for name, t in zip(names, trees) if len(t)})
+            # the voted path; the union when the cost model says its extra nodes are cheap
+            cost = sizing.shared.cost(_bucket(self.router.in_flight))
+            per_node = cost.b1 if cost is not None else float("inf")
+            tree = choose_tree(self.vote, per_node, self.router.speculation.vote_union_extra_s)
+        else:
+            tree = trees[0] if len(trees) == 1 else TokenTree.union(trees)
+        if sizing.shared.adaptive and len(tree) > budget:
+            tree = sizing.profile.prune(tree, budget)  # the nodes worth most
+        return tree.to_pb()
 
-    async def _lookup(self) -> common_pb2.TokenTree:
+    async def _lookup(self, budget: int) -> common_pb2.TokenTree:
         spec = self.router.speculation
+        nodes = budget if spec.tree_size != "fixed" else spec.max_nodes
         item = datastore_pb2.LookupItem(request_id=self.request_id, new_tokens=self.lookup_tokens,
-                                        max_nodes=spec.max_nodes, max_depth=spec.depth,
+                                        max_nodes=nodes, max_depth=spec.depth,
                                         reset=self.lookup_reset)
         try:
-            response = await self.router.datastore.Lookup(
-                datastore_pb2.LookupBatchRequest(items=[item]),
-                timeout=self.router.settings.step_timeout_s)
+            tree = await self.router.lookups.submit(item, self.router.settings.step_timeout_s)
         except (grpc.RpcError, asyncio.TimeoutError) as err:
             log.warning("datastore lookup for %s failed (%s): this step runs without its tree",
                         self.request_id, _describe(err))
@@ -254,36 +454,60 @@ class _RequestLoop:
             return common_pb2.TokenTree()
         self.lookup_tokens = []
         self.lookup_reset = False
-        return response.trees[0]
+        return tree
 
-    async def _draft_model(self) -> common_pb2.TokenTree:
-        if self.prefill_task is not None:
-            ok = await self.prefill_task
-            self.prefill_task = None
+    async def _draft_model(self, name: str, budget: int) -> common_pb2.TokenTree:
+        sync = self.syncs[name]
+        if sync.prefill_task is not None:
+            ok = await sync.prefill_task
+            sync.prefill_task = None
             if not ok:  # retry with the whole context next step
-                self.prefill_task = asyncio.create_task(
-                    self._prefill_drafter(self.prompt + self.generated))
-                self.new_tokens = []
+                self._resync(name)
                 return common_pb2.TokenTree()
         spec = self.router.speculation
-        item = drafter_pb2.DraftItem(request_id=self.request_id, drafter=self.router.drafter_name,
-                                     new_tokens=self.new_tokens, depth=spec.depth, width=spec.width)
+        # a budget below the depth needs no deeper draft (wider trees are pruned afterwards)
+        depth = min(spec.depth, budget) if spec.tree_size != "fixed" else spec.depth
+        item = drafter_pb2.DraftItem(request_id=self.request_id, drafter=name,
+                                     new_tokens=sync.new_tokens, depth=depth, width=spec.width)
         try:
-            response = await self.router.drafter.Draft(drafter_pb2.DraftBatchRequest(items=[item]),
-                                                       timeout=self.router.settings.step_timeout_s)
+            tree = await self.router.drafts.submit(item, self.router.settings.step_timeout_s)
         except (grpc.RpcError, asyncio.TimeoutError) as err:
             log.warning("drafting for %s failed (%s): this step runs without a tree",
                         self.request_id, _describe(err))
-            self.prefill_task = asyncio.create_task(
-                self._prefill_drafter(self.prompt + self.generated))
-            self.new_tokens = []
+            self._resync(name)
             return common_pb2.TokenTree()
-        self.new_tokens = []
-        return response.trees[0]
+        sync.new_tokens = []
+        return tree
+
+    def _resync(self, name: str) -> None:
+        """Re-prefills the drafter with the whole context (after a failed call)."""
+        self.syncs[name] = _DrafterSync(asyncio.create_task(
+            self._prefill_drafter(name, self.prompt + self.generated)))
 
     def cancel_prefill(self) -> None:
-        if self.prefill_task is not None and not self.prefill_task.done():
-            self.prefill_task.cancel()
+        for sync in self.syncs.values():
+            if sync.prefill_task is not None and not sync.prefill_task.done():
+                sync.prefill_task.cancel()
+
+
+def _best_path(tree: TokenTree) -> list[int]:
+    """A tree's most likely path: from the root, the highest-scored child (first if unscored)."""
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(tree.parents):
+        children.setdefault(parent, []).append(i)
+    path, node = [], -1
+    while node in children:
+        kids = children[node]
+        node = max(kids, key=lambda c: tree.scores[c]) if tree.scores else kids[0]
+        path.append(tree.tokens[node])
+    return path
+
+
+def _drafters(tree: TokenTree) -> list[str]:
+    """Names of the sources whose nodes are in the tree."""
+    if not tree.sources:
+        return []
+    return sorted({tree.source_names[s] for s in tree.sources})
 
 
 def _describe(err: BaseException) -> str:

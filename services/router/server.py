@@ -9,7 +9,8 @@ from services.common.rpc import channel, start_server
 from services.datastore.corpus import tokenizer_family
 from services.router.engine import Router, TargetInfo
 from services.router.servicer import SERVICE_NAME, RouterServicer
-from specmesh.v1 import datastore_pb2, datastore_pb2_grpc, drafter_pb2_grpc, router_pb2_grpc
+from specmesh.v1 import (datastore_pb2, datastore_pb2_grpc, drafter_pb2, drafter_pb2_grpc,
+                         router_pb2_grpc)
 
 
 def target_info(name: str, path: Path, tokenizer) -> TargetInfo:
@@ -41,9 +42,16 @@ async def start(settings: Settings):
         datastore_channel = channel(settings.datastore_address)
         datastore = datastore_pb2_grpc.DatastoreStub(datastore_channel)
         await check_datastore(datastore, tokenizer, settings.router.step_timeout_s)
-    router = Router(pool, drafter_pb2_grpc.DrafterStub(drafter_channel), tokenizer,
-                    target_info(settings.model, path, tokenizer), settings.speculation,
-                    settings.router, datastore=datastore)
+    drafter = drafter_pb2_grpc.DrafterStub(drafter_channel)
+    names = None
+    spec = settings.speculation
+    if (spec.selection != "fixed" or spec.voting) and spec.source != "datastore":
+        info = await drafter.Info(drafter_pb2.DrafterInfoRequest(),
+                                  timeout=settings.router.step_timeout_s)
+        names = [m.name for m in info.models]  # the arms / the voters
+    router = Router(pool, drafter, tokenizer, target_info(settings.model, path, tokenizer),
+                    settings.speculation, settings.router, datastore=datastore,
+                    drafter_names=names)
     router.start()
     server, port = await start_server(
         [(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(router), SERVICE_NAME)],

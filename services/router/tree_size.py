@@ -27,7 +27,11 @@ Mapping to our trees (ProPD's heads are Medusa heads): depth d = a node's depth 
 (the last accepted token), rank k = its position among its siblings by score (highest first;
 unscored: tree order). The verifier's walk reveals, at each depth it reached, which child (if
 any) the target drew, which is exactly the "in top-k" event of 4.2.2 conditioned on reaching
-that depth. Ranks past a node's number of children are not updated (nothing was proposed there).
+that depth. Ranks past a node's number of children count as what the offered candidates gave
+(the top-k of c < k candidates is the top-c): a drafter that offers one candidate per level
+thus keeps p_d^2 = 0 and the best trees it is asked for stay chains. Left at their prior
+instead, those ranks kept P_d^2 high while P_d^1 fell, and a request the drafters could not
+guess still looked worth a wide tree.
 
 Where it sits: router; `observe_step` with every verify step's tree size and time,
 `observe_tree` with every verified tree and the emitted tokens, `choose` when
@@ -172,7 +176,7 @@ class AcceptanceProfile:
         if not 1 <= depth <= self.max_depth:
             return
         row = self.cumulative[depth - 1]
-        for k in range(1, min(candidates, self.max_rank) + 1):
+        for k in range(1, self.max_rank + 1):
             hit = 1.0 if accepted_rank is not None and accepted_rank <= k else 0.0
             row[k - 1] = (1 - self.alpha) * row[k - 1] + self.alpha * hit
 

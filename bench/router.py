@@ -1,0 +1,219 @@
+"""Benchmark of issue 5: the router's mechanisms, one added at a time (Minions figure 10 / SPIN
+figure 11 style), plus LBSS against SPIN's two selection baselines.
+
+One process run per model x dtype, the same prompts for every method (MT-Bench first turns, one
+question per category first, and HumanEval problems; greedy, 128 new tokens), at batch 1 (one
+request at a time) and c concurrent requests (`verifier.batch_size` = c):
+
+  plain              transformers `generate` (batch 1: one prompt at a time; c: batches of c)
+  hf-assisted        transformers assisted generation with the first draft (batch 1 only)
+  hf-prompt-lookup   transformers prompt lookup decoding, 10 tokens (batch 1 only)
+  mesh-plain         the mesh with speculation off (depth 0): the cost of plain decoding
+                     through router + pool + verifier, what adaptive sizing's "off" is held to
+  fixed              one draft model, the configured chain every step, no pipeline
+  +voting            both draft models and the datastore draft, the majority path is verified
+  +bandit            LBSS chooses per request: the datastore, either model, or the vote
+  +adaptive          + the tree size per request and step (ProPD), 0 = plain step
+  +pipeline          + micro-batched drafting and back-pressure (the full router)
+  greedy / epsilon   the full router with SPIN's baselines instead of LBSS
+  minions-length     the full router with Minions' adaptive length instead of ProPD's size
+
+Per method: tok/s, speedup vs plain, accepted length (tokens per target pass, bonus counted)
+overall and per prompt class (writing, roleplay, reasoning, math, coding, extraction, stem,
+humanities, code = HumanEval), per-class speedup at batch 1, outputs identical to plain.
+
+    python -m bench.router                                   # SmolLM2-135M, auto dtype
+    python -m bench.router --model qwen2.5-coder-1.5b --dtype bfloat16 --drafts qwen2.5-coder-0.5b layers:8
+    python -m bench.router --quick                           # smoke run: 4 prompts x 32 tokens
+Writes bench/results/issue5-router-<model>-<dtype>.json and .md. Run it alone on the machine.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import platform
+import time
+from collections import defaultdict
+from concurrent.futures import Executor
+from dataclasses import asdict, replace
+
+from tqdm.auto import tqdm
+
+from bench.batch import run_plain
+from bench.run import (Config, MethodResult, Prompt, _record, load_prompts, run_hf_methods,
+                       save_report)
+from services.common import models
+from services.common.config import Settings
+from services.common.serving import compute_executor
+
+DRAFTS = {"smollm2-135m": ("layers:8", "layers:20"),
+          "qwen2.5-coder-1.5b": ("qwen2.5-coder-0.5b", "layers:8")}
+NO_PIPELINE = {"router.draft_batch_max": 1, "router.max_pending_trees": 0}
+
+
+def ablation(drafts: tuple[str, str], nodes: int) -> list[tuple[str, dict, dict]]:
+    """(name, top-level overrides, dotted overrides) of each method, cumulative."""
+    one = ({"drafters": [drafts[0]]}, {"speculation.source": "model", **NO_PIPELINE})
+    many = {"drafters": list(drafts)}
+    vote = {"speculation.source": "both", "speculation.voting": True,
+            "speculation.max_nodes": nodes, **NO_PIPELINE}
+    bandit = {**vote, "speculation.selection": "lbss"}
+    adaptive = {**bandit, "speculation.tree_size": "adaptive"}
+    full = {k: v for k, v in adaptive.items() if k not in NO_PIPELINE}
+    return [("mesh-plain", {}, {"speculation.depth": 0}), ("fixed", *one), ("+voting", many, vote), ("+bandit", many, bandit),
+            ("+adaptive", many, adaptive), ("+pipeline", many, full),
+            ("greedy", many, {**full, "speculation.selection": "greedy"}),
+            ("epsilon-greedy", many, {**full, "speculation.selection": "epsilon-greedy"}),
+            ("minions-length", many, {**full, "speculation.tree_size": "length"})]
+
+
+def run_mesh(config: Config, prompts: list[Prompt], settings: Settings, c: int,
+             compute: Executor, name: str) -> MethodResult:
+    """The prompts through an embedded mesh with at most c in flight (batch 1: one at a time,
+    each timed on its own)."""
+    from services.embedded import EmbeddedMesh
+
+    async def main() -> MethodResult:
+        async with EmbeddedMesh.start(settings.with_overrides(**{"verifier.batch_size": c}),
+                                      compute) as mesh:
+            await mesh.generate(prompt="warm up", max_tokens=4)
+            result = MethodResult(name)
+            limit = asyncio.Semaphore(c)
+            timed: list[tuple[object, float]] = [None] * len(prompts)
+
+            async def one(i: int, bar) -> None:
+                async with limit:
+                    start = time.perf_counter()
+                    out = await mesh.generate(max_tokens=config.max_tokens, **prompts[i].request)
+                    timed[i] = (out, time.perf_counter() - start)
+                    bar.update()
+
+            with tqdm(total=len(prompts), desc=f"{config.name} {name} c={c}", leave=False) as bar:
+                start = time.perf_counter()
+                await asyncio.gather(*(one(i, bar) for i in range(len(prompts))))
+                total = time.perf_counter() - start
+            for prompt, (out, seconds) in zip(prompts, timed):
+                _record(result, prompt, out, seconds)
+            if c > 1:  # concurrent: throughput over the whole run
+                result.seconds = total
+            return result
+
+    result = asyncio.run(main())
+    gc.collect()
+    return result
+
+
+def row(result: MethodResult, plain: MethodResult, prompts: list[Prompt], c: int) -> dict:
+    out = {"method": result.method, "tok_s": result.tok_s,
+           "speedup": result.tok_s / plain.tok_s if plain.tok_s else None,
+           "mean_accepted_length": result.mean_accepted_length,
+           "identical_to_plain": sum(a == b for a, b in zip(result.outputs, plain.outputs)),
+           "plain_steps": result.plain_steps, "draft_tokens": result.draft_tokens}
+    classes: dict[str, list[int]] = defaultdict(list)
+    for i, p in enumerate(prompts):
+        classes[p.category].append(i)
+    out["classes"] = {}
+    for cls, idx in classes.items():
+        tokens = sum(len(result.outputs[i]) for i in idx)
+        forwards = sum(result.forwards_per_prompt[i] for i in idx) if result.forwards_per_prompt \
+            else 0
+        entry = {"accepted_length": tokens / forwards if forwards else 1.0}
+        if c == 1 and result.seconds_per_prompt and plain.seconds_per_prompt:
+            mine = tokens / sum(result.seconds_per_prompt[i] for i in idx)
+            base = (sum(len(plain.outputs[i]) for i in idx)
+                    / sum(plain.seconds_per_prompt[i] for i in idx))
+            entry["speedup"] = mine / base
+        out["classes"][cls] = entry
+    return out
+
+
+def run(config: Config, drafts: tuple[str, str], levels: list[int], nodes: int,
+        compute: Executor, methods: list[str] | None) -> dict:
+    settings = Settings(model=config.model, dtype=config.dtype).with_overrides(**{
+        "speculation.depth": config.depth, "speculation.width": config.width})
+    tokenizer = models.load_tokenizer(models.resolve(config.model, settings.cache_dir))
+    prompts = load_prompts(config, tokenizer)
+    report = {"config": asdict(config), "drafts": list(drafts), "nodes": nodes,
+              "prompts": [p.name for p in prompts], "levels": {}}
+    hf = compute.submit(run_hf_methods, replace(config, draft=drafts[0]), prompts,
+                        ("plain", "hf-assisted", "hf-prompt-lookup"), 10).result()
+    batched = compute.submit(run_plain, config, prompts, [c for c in levels if c > 1]).result()
+    for c in levels:
+        plain = hf[0] if c == 1 else batched[c]
+        rows = [row(plain, plain, prompts, c)]
+        if c == 1:
+            rows += [row(r, plain, prompts, c) for r in hf[1:]]
+        for name, top, dotted in ablation(drafts, nodes):
+            if methods and name not in methods:
+                continue
+            mesh = settings.with_overrides(**top, **dotted)
+            rows.append(row(run_mesh(config, prompts, mesh, c, compute, name), plain, prompts,
+                            c))
+        report["levels"][str(c)] = rows
+    return report
+
+
+def markdown(report: dict) -> str:
+    c = report["config"]
+    lines = [f"### {c['model']} target, {c['dtype']}, drafts {', '.join(report['drafts'])} + "
+             f"the datastore, depth {c['depth']}, {report['nodes']} nodes, "
+             f"{len(report['prompts'])} prompts x {c['max_tokens']} tokens"]
+    for level, rows in report["levels"].items():
+        classes = sorted({k for r in rows for k in r["classes"]})
+        lines += ["", f"Batch {level}:", "",
+                  "| method | tok/s | speedup | accepted length | " + " | ".join(classes)
+                  + " | plain steps | identical |",
+                  "|---|---:|---:|---:|" + "---:|" * len(classes) + "---:|---:|"]
+        for r in rows:
+            cells = []
+            for k in classes:
+                e = r["classes"].get(k, {})
+                cell = f"{e.get('accepted_length', 0):.2f}"
+                if "speedup" in e:
+                    cell += f" ({e['speedup']:.2f}x)"
+                cells.append(cell)
+            lines.append(f"| {r['method']} | {r['tok_s']:.2f} | {r['speedup']:.2f}x | "
+                         f"{r['mean_accepted_length']:.2f} | " + " | ".join(cells) +
+                         f" | {r['plain_steps']} | {r['identical_to_plain']}/"
+                         f"{len(report['prompts'])} |")
+    lines += ["", "Class cells: accepted length (speedup vs plain at batch 1)."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    parser.add_argument("--drafts", nargs=2, metavar="SPEC", help="the two draft models "
+                        "[per model: smollm2 layers:8 layers:20; qwen 1.5b: the 0.5b, layers:8]")
+    parser.add_argument("--mtbench", type=int, default=16, help="MT-Bench questions [16]")
+    parser.add_argument("--humaneval", type=int, default=8, help="HumanEval problems [8]")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--depth", type=int, default=4, help="draft depth [4]")
+    parser.add_argument("--nodes", type=int, default=12, help="node budget per step [12]")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8],
+                        help="requests in flight [1 8]")
+    parser.add_argument("--methods", nargs="+", help="only these specmesh methods")
+    parser.add_argument("--quick", action="store_true", help="4 prompts x 32 tokens")
+    args = parser.parse_args(argv)
+    dtype = str(models.resolve_dtype(args.dtype)).removeprefix("torch.")
+    drafts = tuple(args.drafts) if args.drafts else DRAFTS.get(args.model, ("layers:8",
+                                                                            "layers:16"))
+    config = Config(args.model, drafts[0], dtype, args.depth, 1, mtbench=args.mtbench,
+                    humaneval=args.humaneval, max_tokens=args.max_tokens)
+    if args.quick:
+        config = replace(config, mtbench=3, humaneval=1, max_tokens=32)
+    compute = compute_executor()
+    report = {"machine": platform.processor() or platform.machine(),
+              "date": time.strftime("%Y-%m-%d"),
+              **run(config, drafts, args.concurrency, args.nodes, compute, args.methods)}
+    name = f"issue5-router-{args.model}-{dtype}" + ("-quick" if args.quick else "")
+    save_report(name, report, markdown(report))
+    compute.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,72 @@
+"""Micro-batching of draft work (Minions 3.4, SPIN V.B): the single-request Draft / Lookup calls
+that the router's request loops make at the same moment are coalesced into one batched call.
+
+Request loops become ready together: one verifier step answers a whole batch of requests, the
+router's dispatcher resolves their futures in one go, and each loop then asks for its next
+tree. A batcher holds the items submitted during one turn of the event loop (`window_s` = 0)
+or a short window, then sends them as one request; each caller gets its own tree back, or the
+call's exception (every caller then handles it as it handles a failed single call).
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+
+class MicroBatcher:
+    def __init__(self, call: Callable[[Any, float], Awaitable[Any]],
+                 make_request: Callable[[Sequence[Any]], Any], max_items: int = 64,
+                 window_s: float = 0.0) -> None:
+        """`call(request, timeout)` sends one batched request built by `make_request(items)`;
+        its response's `trees` answer the items in order."""
+        if max_items < 1 or window_s < 0:
+            raise ValueError("need max_items >= 1 and window_s >= 0")
+        self._call, self._make = call, make_request
+        self.max_items, self.window_s = max_items, window_s
+        self._queue: list[tuple[Any, asyncio.Future]] = []
+        self._timer: asyncio.Handle | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self.calls = 0
+        self.items = 0
+
+    async def submit(self, item: Any, timeout: float) -> Any:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._queue.append((item, future))
+        if len(self._queue) >= self.max_items:
+            self._flush(timeout)
+        elif self._timer is None:
+            self._timer = (loop.call_later(self.window_s, self._flush, timeout) if self.window_s
+                           else loop.call_soon(self._flush, timeout))
+        return await future
+
+    def _flush(self, timeout: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        batch, self._queue = self._queue, []
+        batch = [(item, fut) for item, fut in batch if not fut.cancelled()]
+        if batch:
+            task = asyncio.get_running_loop().create_task(self._send(batch, timeout))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, batch: list[tuple[Any, asyncio.Future]], timeout: float) -> None:
+        self.calls += 1
+        self.items += len(batch)
+        try:
+            response = await self._call(self._make([item for item, _ in batch]), timeout)
+            trees = list(response.trees)
+            if len(trees) != len(batch):
+                raise RuntimeError(f"a batch of {len(batch)} got {len(trees)} trees back")
+        except BaseException as err:  # noqa: BLE001 - every caller gets the call's failure
+            for _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(err)
+            if isinstance(err, asyncio.CancelledError):
+                raise
+            return
+        for (_, fut), tree in zip(batch, trees):
+            if not fut.done():
+                fut.set_result(tree)

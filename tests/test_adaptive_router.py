@@ -1,0 +1,66 @@
+"""The router's adaptive mechanisms end to end (issue 5), in an embedded mesh on the default model
+in float32: outputs stay the target's own greedy output with them all on (20 MT-Bench questions,
+4 concurrent), and every step's decision is returned in the request's stats."""
+from __future__ import annotations
+
+import asyncio
+
+from services.embedded import EmbeddedMesh
+
+NUM_QUESTIONS = 20
+CONCURRENCY = 4
+MAX_TOKENS = 32  # a prefix of the 64-token references keeps the suite short
+
+
+def test_lossless_with_every_mechanism_on(base_settings, small_datastore, questions,
+                                          hf_greedy_reference, compute):
+    """Adaptive tree size + LBSS over four arms (the datastore, two layer-truncated drafts, and
+    the majority vote of all three) with short slots, so requests switch drafters (and prefill
+    where they land) mid-answer; micro-batched drafting and back-pressure (on by default)."""
+    settings = base_settings.with_overrides(drafters=["layers:6", "layers:16"], **{
+        "speculation.source": "both", "speculation.depth": 4, "speculation.max_nodes": 12,
+        "speculation.tree_size": "adaptive", "speculation.probe_every": 4,
+        "speculation.selection": "lbss", "speculation.slot_s": 0.3, "speculation.voting": True,
+        "speculation.drafter_capacity": 2, "datastore.path": small_datastore})
+
+    async def run():
+        async with EmbeddedMesh.start(settings, compute) as mesh:
+            gate = asyncio.Semaphore(CONCURRENCY)
+
+            async def one(q):
+                async with gate:
+                    return await mesh.generate(
+                        messages=[{"role": "user", "content": q["turns"][0]}],
+                        max_tokens=MAX_TOKENS)
+            return await asyncio.gather(*(one(q) for q in questions[:NUM_QUESTIONS]))
+    outputs = asyncio.run(run())
+    mismatches = [i for i, (out, ref) in enumerate(zip(outputs, hf_greedy_reference))
+                  if list(out.token_ids) != ref[:MAX_TOKENS]]
+    assert not mismatches, f"{len(mismatches)}/{NUM_QUESTIONS} differ from the target: {mismatches}"
+
+    budgets, drafters, arms = set(), set(), set()
+    for out in outputs:
+        stats = out.stats
+        decisions = list(stats.decisions)
+        assert len(decisions) == stats.steps, "one record per step"
+        assert [d.step for d in decisions] == list(range(stats.steps))
+        assert decisions[0].budget == 0 and decisions[0].tree_size == 0  # the prefill step
+        assert sum(d.emitted for d in decisions) >= stats.completion_tokens
+        assert sum(d.tree_size for d in decisions) == stats.draft_tokens
+        assert stats.plain_steps == sum(1 for d in decisions[1:] if d.tree_size == 0)
+        for d in decisions[1:]:
+            assert d.tree_size <= d.budget <= 12 and d.expected_length >= 1.0 and d.seconds > 0
+            assert bool(d.drafters) == bool(d.tree_size)
+            drafters.update(d.drafters)
+            arms.add(d.arm)
+            budgets.add(d.budget)
+        assert stats.mean_expected_length >= 1.0
+    assert len(budgets) > 2, f"the budget adapts: {sorted(budgets)}"
+    assert arms == {"datastore", "smollm2-135m:layers=6", "smollm2-135m:layers=16", "vote"}, arms
+    # the lookup service's two sources (corpus, the request's own input) and both draft models
+    assert {"datastore", "input", "smollm2-135m:layers=6", "smollm2-135m:layers=16"} <= drafters, \
+        drafters
+    drafted = sum(o.stats.draft_tokens for o in outputs)
+    accepted = sum(o.stats.accepted_tokens for o in outputs)
+    print(f"budgets {sorted(budgets)}, drafted {drafted}, accepted {accepted}")
+    assert accepted > 0

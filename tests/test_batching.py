@@ -1,0 +1,72 @@
+"""Micro-batching of draft calls (batching.py): concurrent submits become one batched call, each
+caller gets its own answer or the call's error. A fake call stands in for the gRPC stub."""
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from services.router.batching import MicroBatcher
+
+
+class FakeService:
+    def __init__(self, fail: Exception | None = None, delay: float = 0.0) -> None:
+        self.requests: list[list[int]] = []
+        self.fail, self.delay = fail, delay
+
+    async def __call__(self, request, timeout):
+        self.requests.append(list(request))
+        await asyncio.sleep(self.delay)
+        if self.fail:
+            raise self.fail
+        return SimpleNamespace(trees=[x * 10 for x in request])
+
+
+def test_items_submitted_together_go_in_one_call_and_answers_go_back_in_order():
+    async def run():
+        service = FakeService()
+        batcher = MicroBatcher(service, list, max_items=64)
+        answers = await asyncio.gather(*(batcher.submit(i, 1.0) for i in range(5)))
+        later = await batcher.submit(7, 1.0)
+        return service, batcher, answers, later
+    service, batcher, answers, later = asyncio.run(run())
+    assert answers == [0, 10, 20, 30, 40] and later == 70
+    assert service.requests == [[0, 1, 2, 3, 4], [7]]
+    assert (batcher.calls, batcher.items) == (2, 6)
+
+
+def test_a_full_batch_is_sent_at_once():
+    async def run():
+        service = FakeService()
+        batcher = MicroBatcher(service, list, max_items=2)
+        await asyncio.gather(*(batcher.submit(i, 1.0) for i in range(5)))
+        return service.requests
+    assert asyncio.run(run()) == [[0, 1], [2, 3], [4]]
+
+
+def test_every_caller_gets_the_calls_error():
+    async def run():
+        batcher = MicroBatcher(FakeService(fail=TimeoutError("slow")), list)
+        return await asyncio.gather(*(batcher.submit(i, 1.0) for i in range(3)),
+                                    return_exceptions=True)
+    errors = asyncio.run(run())
+    assert all(isinstance(e, TimeoutError) for e in errors)
+
+
+def test_a_cancelled_caller_does_not_break_the_others():
+    async def run():
+        service = FakeService(delay=0.05)
+        batcher = MicroBatcher(service, list, window_s=0.01)
+        a = asyncio.ensure_future(batcher.submit(1, 1.0))
+        b = asyncio.ensure_future(batcher.submit(2, 1.0))
+        await asyncio.sleep(0)
+        a.cancel()
+        return await b, service.requests
+    answer, requests = asyncio.run(run())
+    assert answer == 20 and requests == [[2]]
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError):
+        MicroBatcher(FakeService(), list, max_items=0)

@@ -1,0 +1,139 @@
+"""The router's speculation policy (policy.py): fixed sizing, the adaptive choice over measured
+step times and a per-request acceptance profile (ProPD 4.2 wired), its bootstrap, probing,
+"off", and the per-step records. Plain objects, no mesh."""
+from __future__ import annotations
+
+import pytest
+
+from services.common.tree import TokenTree
+from services.router.policy import StepChoice, TreeSizing, bucket_of
+from services.router.tree_size import AcceptanceProfile, LinearCost, best_size
+
+
+def feed(sizing: TreeSizing, cost: LinearCost, sizes=(0, 4, 8, 16), bucket: int = 1) -> None:
+    model = sizing.time_model(bucket)
+    for size in sizes:
+        model.observe(size, cost(size))
+
+
+def chain(n: int) -> TokenTree:
+    return TokenTree.chain(list(range(100, 100 + n)), [1.0] * n, "datastore")
+
+
+def test_buckets_are_powers_of_two():
+    assert [bucket_of(n) for n in (0, 1, 2, 3, 4, 5, 8, 9)] == [1, 1, 2, 4, 4, 8, 8, 16]
+
+
+def test_fixed_sizing_always_asks_for_the_whole_tree():
+    sizing = TreeSizing(max_nodes=10, max_depth=10, adaptive=False)
+    request = sizing.for_request()
+    feed(sizing, LinearCost(0.01, 1.0))  # speculation could never pay: fixed ignores it
+    choices = {request.choose(1).budget for _ in range(40)}
+    assert choices == {10}
+
+
+def test_no_speculation_configured_means_budget_zero():
+    request = TreeSizing(max_nodes=0, max_depth=0).for_request()
+    assert request.choose(1) == StepChoice(0, 1.0)
+
+
+def test_bootstrap_measures_the_default_size_then_plain_then_fits():
+    sizing = TreeSizing(max_nodes=16, max_depth=8, probe_every=0)
+    request = sizing.for_request()
+    first = request.choose(1)
+    assert first.budget == 8 and first.probe
+    request.observe(1, first, chain(8), [100, 101, 5], 0.050, 1, ["datastore"])
+    second = request.choose(1)
+    assert second.budget == 0 and second.probe
+    request.observe(2, second, TokenTree.chain([]), [7], 0.030, 1, [])
+    assert sizing.cost(1) is not None
+    assert not request.choose(1).probe
+
+
+@pytest.mark.parametrize("b0,b1", [(0.030, 0.001), (0.030, 0.004), (0.030, 0.012)])
+def test_adaptive_choice_is_the_analytic_optimum(b0, b1):
+    """Known linear cost and acceptance profile: the budget is argmax E(n) / T(n) over n."""
+    sizing = TreeSizing(max_nodes=24, max_depth=4, probe_every=0)
+    cost = LinearCost(b0, b1)
+    feed(sizing, cost, sizes=range(0, 25, 4))
+    request = sizing.for_request()
+    request.profile = AcceptanceProfile.from_probabilities(
+        [[0.6, 0.2, 0.1, 0.05], [0.5, 0.2, 0.1], [0.4, 0.2], [0.3, 0.1]])
+    curve = request.profile.expected_tokens(24)
+    # brute force over every n
+    want = max(range(len(curve)), key=lambda n: (curve[n] / cost(n), -n))
+    got = request.choose(1)
+    assert got.budget == want and got.expected_length == pytest.approx(curve[want])
+    assert want == best_size(curve, sizing.cost(1)).size
+
+
+def test_speculation_is_switched_off_when_it_cannot_pay_and_probed_again():
+    sizing = TreeSizing(max_nodes=10, max_depth=10, probe_every=4)
+    feed(sizing, LinearCost(0.030, 0.010))
+    request = sizing.for_request()
+    request.profile = AcceptanceProfile.from_probabilities([[0.05]] * 10)
+    budgets = [request.choose(1) for _ in range(32)]
+    # off: a 2-node probe every 4 x probe_every steps (cheap: ~2 rows over a plain step)
+    assert [c.budget for c in budgets] == ([0] * 15 + [2]) * 2
+    assert [c.probe for c in budgets] == ([False] * 15 + [True]) * 2
+    assert budgets[0].expected_length == 1.0
+
+
+def test_probes_alternate_below_and_above_the_chosen_size():
+    sizing = TreeSizing(max_nodes=32, max_depth=8, probe_every=2)
+    cost = LinearCost(0.030, 0.0005)
+    feed(sizing, cost, sizes=range(0, 33, 4))
+    request = sizing.for_request()
+    request.profile = AcceptanceProfile.from_probabilities([[0.8, 0.1]] * 8)
+    chosen = best_size(request.profile.expected_tokens(32), cost).size
+    probes = [c.budget for c in (request.choose(1) for _ in range(8)) if c.probe]
+    assert set(probes) == {chosen // 2, min(2 * chosen, 32)}
+
+
+def test_each_request_learns_its_own_profile_from_its_walks():
+    sizing = TreeSizing(max_nodes=8, max_depth=8, probe_every=0)
+    feed(sizing, LinearCost(0.030, 0.002), bucket=2)
+    code, chat = sizing.for_request(), sizing.for_request()
+    tree = chain(8)
+    for step in range(1, 80):
+        code.observe(step, StepChoice(8, 1.0), tree, list(tree.tokens) + [1], 0.046, 2, ["ds"])
+        chat.observe(step, StepChoice(8, 1.0), tree, [7], 0.046, 2, ["ds"])
+    assert code.profile.p(1, 1) > 0.9 and chat.profile.p(1, 1) < 0.1
+    assert code.choose(2).budget == 8
+    assert chat.choose(2).budget == 0
+    assert 0.1 < sizing.prior.p(1, 1) < 0.9, "the prior learns from every request"
+    assert sizing.for_request().profile.p(1, 1) == sizing.prior.p(1, 1)
+
+
+def test_records_every_step_and_skips_the_prefill_time():
+    sizing = TreeSizing(max_nodes=8, max_depth=4)
+    request = sizing.for_request()
+    record = request.observe(0, StepChoice(0, 1.0), TokenTree.chain([]), [5], 2.0, 1, [])
+    assert sizing.time_model(1)._perf == {}, "a prefill is not a verify step"
+    assert (record.step, record.budget, record.tree_size, record.emitted) == (0, 0, 0, 1)
+    tree = TokenTree.union([chain(3), TokenTree.chain([100, 7], [0.5, 0.5], "layers:8")])
+    record = request.observe(1, StepChoice(4, 2.5, probe=True), tree, [100, 101, 9], 0.04, 1,
+                             ["datastore", "layers:8"])
+    assert (record.budget, record.tree_size, record.expected_length, record.emitted,
+            record.probe, list(record.drafters)) == (4, 4, 2.5, 3, True,
+                                                     ["datastore", "layers:8"])
+    assert sizing.time_model(1)._perf == {4: 0.04}
+    assert len(request.decisions) == 2
+
+
+def test_length_mode_follows_the_minions_selector():
+    """mode="length": every request drafts the arm's s, which moves with the slope of
+    step time / emitted tokens (here: longer is always better, so s climbs to its maximum)."""
+    sizing = TreeSizing(max_nodes=8, max_depth=8, mode="length")
+    request = sizing.for_request()
+    assert request.choose(1).budget == 4  # Minions' default length
+    for step in range(1, 400):
+        choice = request.choose(1)
+        s = choice.budget
+        # emitted grows with s faster than the time does: t / emitted falls with s
+        request.observe(step, choice, chain(s), list(chain(s).tokens) + [1], 0.03 + 0.001 * s,
+                        1, ["ds"])
+    assert sizing.length.s == 8 and request.choose(1).budget == 8
+    assert not TreeSizing(max_nodes=8, max_depth=8, mode="fixed").adaptive
+    with pytest.raises(ValueError, match="unknown tree-size mode"):
+        TreeSizing(max_nodes=8, max_depth=8, mode="magic")
