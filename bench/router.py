@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import platform
 import time
 from collections import defaultdict
@@ -41,8 +42,8 @@ from dataclasses import asdict, replace
 from tqdm.auto import tqdm
 
 from bench.batch import run_plain
-from bench.run import (Config, MethodResult, Prompt, _record, load_prompts, run_hf_methods,
-                       save_report)
+from bench.run import (RESULTS, Config, MethodResult, Prompt, _record, load_prompts,
+                       run_hf_methods, save_report)
 from services.common import models
 from services.common.config import Settings
 from services.common.serving import compute_executor
@@ -129,7 +130,10 @@ def row(result: MethodResult, plain: MethodResult, prompts: list[Prompt], c: int
 
 
 def run(config: Config, drafts: tuple[str, str], levels: list[int], nodes: int,
-        compute: Executor, methods: list[str] | None) -> dict:
+        compute: Executor, methods: list[str] | None,
+        hf_methods: tuple[str, ...] = ("plain", "hf-assisted", "hf-prompt-lookup"),
+        save=lambda report: None) -> dict:
+    """`save(report)` is called after every method: a long run interrupted keeps what it did."""
     settings = Settings(model=config.model, dtype=config.dtype).with_overrides(**{
         "speculation.depth": config.depth, "speculation.width": config.width})
     tokenizer = models.load_tokenizer(models.resolve(config.model, settings.cache_dir))
@@ -137,20 +141,22 @@ def run(config: Config, drafts: tuple[str, str], levels: list[int], nodes: int,
     report = {"config": asdict(config), "drafts": list(drafts), "nodes": nodes,
               "prompts": [p.name for p in prompts], "levels": {}}
     hf = compute.submit(run_hf_methods, replace(config, draft=drafts[0]), prompts,
-                        ("plain", "hf-assisted", "hf-prompt-lookup"), 10).result()
+                        ("plain", *[m for m in hf_methods if m != "plain"]), 10).result()
     batched = compute.submit(run_plain, config, prompts, [c for c in levels if c > 1]).result()
     for c in levels:
         plain = hf[0] if c == 1 else batched[c]
         rows = [row(plain, plain, prompts, c)]
         if c == 1:
             rows += [row(r, plain, prompts, c) for r in hf[1:]]
+        report["levels"][str(c)] = rows
+        save(report)
         for name, top, dotted in ablation(drafts, nodes):
             if methods and name not in methods:
                 continue
             mesh = settings.with_overrides(**top, **dotted)
             rows.append(row(run_mesh(config, prompts, mesh, c, compute, name), plain, prompts,
                             c))
-        report["levels"][str(c)] = rows
+            save(report)
     return report
 
 
@@ -196,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8],
                         help="requests in flight [1 8]")
     parser.add_argument("--methods", nargs="+", help="only these specmesh methods")
+    parser.add_argument("--hf-methods", nargs="+", choices=["hf-assisted", "hf-prompt-lookup"],
+                        default=["hf-assisted", "hf-prompt-lookup"],
+                        help="transformers methods at batch 1 besides plain [both]")
     parser.add_argument("--quick", action="store_true", help="4 prompts x 32 tokens")
     args = parser.parse_args(argv)
     dtype = str(models.resolve_dtype(args.dtype)).removeprefix("torch.")
@@ -206,11 +215,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         config = replace(config, mtbench=3, humaneval=1, max_tokens=32)
     compute = compute_executor()
-    report = {"machine": platform.processor() or platform.machine(),
-              "date": time.strftime("%Y-%m-%d"),
-              **run(config, drafts, args.concurrency, args.nodes, compute, args.methods)}
     name = f"issue5-router-{args.model}-{dtype}" + ("-quick" if args.quick else "")
-    save_report(name, report, markdown(report))
+    head = {"machine": platform.processor() or platform.machine(),
+            "date": time.strftime("%Y-%m-%d")}
+
+    def save(report: dict, final: bool = False) -> None:
+        full = {**head, **report}
+        if final:
+            save_report(name, full, markdown(full))
+        else:  # quietly, after every method
+            RESULTS.mkdir(parents=True, exist_ok=True)
+            (RESULTS / f"{name}.json").write_text(json.dumps(full, indent=2))
+            (RESULTS / f"{name}.md").write_text(markdown(full))
+    save(run(config, drafts, args.concurrency, args.nodes, compute, args.methods,
+             tuple(args.hf_methods), save), final=True)
     compute.shutdown()
     return 0
 
