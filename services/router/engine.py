@@ -34,8 +34,7 @@ from services.common.sampling import SamplingParams
 from services.common.text import TextStream
 from services.common.tree import TokenTree
 from services.router.batching import MicroBatcher
-from services.router.policy import RequestSizing, StepChoice, TreeSizing
-from services.router.policy import bucket_of as _bucket
+from services.router.policy import RequestSizing, StepChoice, TreeSizing, bucket_of
 from services.router.selection import Arm, Selection, make_selection
 from services.router.voting import MajorityVoter, Vote, choose_tree
 from services.router.stats import RequestStats
@@ -99,8 +98,7 @@ class Router:
         self._votes_since_update = 0
         self.selection: Selection | None = None
         if speculation.selection != "fixed" and speculation.depth > 0:
-            self.selection = make_selection(speculation.selection,
-                                            self.arms(drafter_names or [drafter_name]),
+            self.selection = make_selection(speculation.selection, self.arms(self.drafter_names),
                                             speculation.slot_s, epsilon=speculation.epsilon)
 
     @property
@@ -429,7 +427,7 @@ class _RequestLoop:
             self.vote = self.router.voter.vote(
                 {name: _best_path(t) for name, t in zip(names, trees) if len(t)})
             # the voted path; the union when the cost model says its extra nodes are cheap
-            cost = sizing.shared.cost(_bucket(self.router.in_flight))
+            cost = sizing.shared.cost(bucket_of(self.router.in_flight))
             per_node = cost.b1 if cost is not None else float("inf")
             tree = choose_tree(self.vote, per_node, self.router.speculation.vote_union_extra_s)
         else:
