@@ -25,7 +25,8 @@ humanities, code = HumanEval), per-class speedup at batch 1, outputs identical t
     python -m bench.router                                   # SmolLM2-135M, auto dtype
     python -m bench.router --model qwen2.5-coder-1.5b --dtype bfloat16 --drafts qwen2.5-coder-0.5b layers:8
     python -m bench.router --quick                           # smoke run: 4 prompts x 32 tokens
-Writes bench/results/issue5-router-<model>-<dtype>.json and .md. Run it alone on the machine.
+Writes bench/results/issue5-router-<model>-<dtype>[-<tag>].json and .md. Run it alone on the
+machine.
 """
 from __future__ import annotations
 
@@ -55,14 +56,16 @@ NO_PIPELINE = {"router.draft_batch_max": 1, "router.max_pending_trees": 0}
 
 def ablation(drafts: tuple[str, str], nodes: int) -> list[tuple[str, dict, dict]]:
     """(name, top-level overrides, dotted overrides) of each method, cumulative."""
-    one = ({"drafters": [drafts[0]]}, {"speculation.source": "model", **NO_PIPELINE})
+    fixed = {"speculation.tree_size": "fixed"}  # the default is adaptive
+    one = ({"drafters": [drafts[0]]}, {"speculation.source": "model", **fixed, **NO_PIPELINE})
     many = {"drafters": list(drafts)}
-    vote = {"speculation.source": "both", "speculation.voting": True,
+    vote = {"speculation.source": "both", "speculation.voting": True, **fixed,
             "speculation.max_nodes": nodes, **NO_PIPELINE}
     bandit = {**vote, "speculation.selection": "lbss"}
     adaptive = {**bandit, "speculation.tree_size": "adaptive"}
     full = {k: v for k, v in adaptive.items() if k not in NO_PIPELINE}
-    return [("mesh-plain", {}, {"speculation.depth": 0}), ("fixed", *one), ("+voting", many, vote), ("+bandit", many, bandit),
+    return [("mesh-plain", {}, {"speculation.depth": 0}), ("fixed", *one), ("+voting", many, vote),
+            ("+bandit", many, bandit),
             ("+adaptive", many, adaptive), ("+pipeline", many, full),
             ("greedy", many, {**full, "speculation.selection": "greedy"}),
             ("epsilon-greedy", many, {**full, "speculation.selection": "epsilon-greedy"}),
@@ -206,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                         default=["hf-assisted", "hf-prompt-lookup"],
                         help="transformers methods at batch 1 besides plain [both]")
     parser.add_argument("--quick", action="store_true", help="4 prompts x 32 tokens")
+    parser.add_argument("--tag", default="", help="suffix of the result files (runs in slices "
+                        "of --methods / --concurrency do not overwrite each other)")
     args = parser.parse_args(argv)
     dtype = str(models.resolve_dtype(args.dtype)).removeprefix("torch.")
     drafts = tuple(args.drafts) if args.drafts else DRAFTS.get(args.model, ("layers:8",
@@ -215,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         config = replace(config, mtbench=3, humaneval=1, max_tokens=32)
     compute = compute_executor()
-    name = f"issue5-router-{args.model}-{dtype}" + ("-quick" if args.quick else "")
+    name = (f"issue5-router-{args.model}-{dtype}" + ("-quick" if args.quick else "")
+            + (f"-{args.tag}" if args.tag else ""))
     head = {"machine": platform.processor() or platform.machine(),
             "date": time.strftime("%Y-%m-%d")}
 

@@ -184,7 +184,8 @@ def _hf_generate(model, ids: list[int], max_new: int, pad: int, extra: dict) -> 
 
 def mesh_settings(config: Config) -> Settings:
     return Settings(model=config.model, dtype=config.dtype, drafters=[config.draft]).with_overrides(
-        **{"speculation.depth": config.depth, "speculation.width": config.width})
+        **{"speculation.depth": config.depth, "speculation.width": config.width,
+           "speculation.tree_size": "fixed"})  # the configured tree every step, as in issue 2
 
 
 def run_embedded(config: Config, prompts: list[Prompt], compute: Executor,

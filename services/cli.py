@@ -47,7 +47,7 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                    help="fixed: the configured tree every step; adaptive: per request and step "
                         "the size with the most expected tokens/s, plain decoding when "
                         "speculation cannot pay (ProPD); length: Minions' adaptive "
-                        "speculation length [fixed]")
+                        "speculation length [adaptive]")
     g.add_argument("--select", dest="selection",
                    choices=["fixed", "lbss", "greedy", "epsilon-greedy"],
                    help="which source drafts for which request: fixed = --speculate for all; "

@@ -28,7 +28,7 @@ class SpeculationSettings(BaseModel):
     max_nodes: int = Field(8, ge=1, le=256, description="node budget of a datastore tree (and of "
                                                          "a merged tree)")
     tree_size: Literal["fixed", "adaptive", "length"] = Field(
-        "fixed", description="fixed: every step drafts the configured tree; adaptive: per request "
+        "adaptive", description="fixed: every step drafts the configured tree; adaptive: per request "
                              "and step, the node budget with the most expected tokens per second "
                              "(ProPD: measured step times, per-request acceptance), 0 = plain "
                              "decoding when speculation cannot pay; length: Minions' adaptive "
@@ -111,6 +111,10 @@ class Settings(BaseSettings):
     model: str = Field(DEFAULT_MODEL, description="target model: a known name or a local HF directory")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="target/draft dtype; auto = bfloat16 where the hardware runs it fast")
+    linear: Literal["auto", "torch", "onednn"] = Field(
+        "auto", description="CPU kernels of the models' linear layers: onednn = weights packed once "
+                            "(cost nearly flat in the rows of a verify step); auto = onednn where "
+                            "the CPU runs the dtype, else torch")
     drafters: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="draft models: 'layers:N' (first N layers of the target) or a model name/dir; "

@@ -222,9 +222,14 @@ def _cpu_has_bf16() -> bool:
     return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
-def load_model(path: Path, dtype: torch.dtype, num_layers: int | None = None):
+def load_model(path: Path, dtype: torch.dtype, num_layers: int | None = None,
+               linear: str = "auto"):
     """Loads a causal LM for inference; `num_layers` keeps only its first layers (plus the final
-    norm and LM head): the layer-truncated draft of a target."""
+    norm and LM head): the layer-truncated draft of a target. `linear` picks the kernels of its
+    linear layers (kernels/linear.py: "auto" packs them for oneDNN where the CPU runs the dtype,
+    "torch" keeps transformers' own)."""
+    from kernels.linear import pack_linears
+
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -245,7 +250,9 @@ def load_model(path: Path, dtype: torch.dtype, num_layers: int | None = None):
     finally:
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
-    return model.eval()
+    model.eval()
+    pack_linears(model, linear)
+    return model
 
 
 def context_length(config) -> int:

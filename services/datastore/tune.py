@@ -109,7 +109,8 @@ def ground_truth(settings: Settings, store: SuffixDatastore, tokenizer, count: i
         data = json.loads(cache.read_text())
         return data["prompts"], data["outputs"]
     prompts = tuning_prompts(tokenizer, count)
-    model = models.load_model(models.resolve(settings.model, settings.cache_dir), dtype)
+    model = models.load_model(models.resolve(settings.model, settings.cache_dir), dtype,
+                              linear=settings.linear)
     outputs = []
     for ids in tqdm(prompts, desc="ground truth (target greedy)", unit=" prompts"):
         x = torch.tensor([ids])

@@ -30,7 +30,8 @@ def build_draft_models(settings: Settings) -> list[DraftModel]:
     for spec in draft_specs(settings):
         if spec.startswith("layers:"):
             layers = _parse_layers(spec)
-            lm = CausalLM(models.load_model(target_path, dtype, num_layers=layers),
+            lm = CausalLM(models.load_model(target_path, dtype, num_layers=layers,
+                                                     linear=settings.linear),
                           f"{settings.model}:layers={layers}")
             out.append(DraftModel(lm, lm.name, "truncated"))
         else:
@@ -40,7 +41,7 @@ def build_draft_models(settings: Settings) -> list[DraftModel]:
             if models.load_tokenizer(path).get_vocab() != target_vocab:
                 raise ValueError(f"draft model '{spec}' does not share the tokenizer of the target "
                                  f"'{settings.model}': drafts must use the same token ids")
-            lm = CausalLM(models.load_model(path, dtype), spec)
+            lm = CausalLM(models.load_model(path, dtype, linear=settings.linear), spec)
             out.append(DraftModel(lm, spec, "model"))
         log.info("draft model %s: %d layers, %s", out[-1].name, out[-1].lm.num_layers, dtype)
     return out

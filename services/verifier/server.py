@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 def load_target(settings: Settings) -> CausalLM:
     dtype = models.resolve_dtype(settings.dtype)
     path = models.resolve(settings.model, settings.cache_dir)
-    lm = CausalLM(models.load_model(path, dtype), settings.model)
+    lm = CausalLM(models.load_model(path, dtype, linear=settings.linear), settings.model)
     log.info("target %s: %d layers, %s", settings.model, lm.num_layers, dtype)
     return lm
 
