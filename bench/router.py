@@ -205,9 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8],
                         help="requests in flight [1 8]")
     parser.add_argument("--methods", nargs="+", help="only these specmesh methods")
-    parser.add_argument("--hf-methods", nargs="+", choices=["hf-assisted", "hf-prompt-lookup"],
+    parser.add_argument("--hf-methods", nargs="+",
+                        choices=["hf-assisted", "hf-prompt-lookup", "none"],
                         default=["hf-assisted", "hf-prompt-lookup"],
-                        help="transformers methods at batch 1 besides plain [both]")
+                        help="transformers methods at batch 1 besides plain [both]; none = plain "
+                             "only")
     parser.add_argument("--quick", action="store_true", help="4 prompts x 32 tokens")
     parser.add_argument("--tag", default="", help="suffix of the result files (runs in slices "
                         "of --methods / --concurrency do not overwrite each other)")
@@ -234,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             (RESULTS / f"{name}.json").write_text(json.dumps(full, indent=2))
             (RESULTS / f"{name}.md").write_text(markdown(full))
     save(run(config, drafts, args.concurrency, args.nodes, compute, args.methods,
-             tuple(args.hf_methods), save), final=True)
+             tuple(m for m in args.hf_methods if m != "none"), save), final=True)
     compute.shutdown()
     return 0
 
