@@ -24,17 +24,12 @@ bfloat16: oneDNN packs bf16 weights only on CPUs with AVX512-BF16/AVX-NE-CONVERT
 from __future__ import annotations
 
 import logging
-from typing import Literal
-
 import torch
 from torch import nn
 
 log = logging.getLogger(__name__)
 
-LinearBackend = Literal["auto", "torch", "onednn"]
-BACKENDS: tuple[str, ...] = ("auto", "torch", "onednn")
-
-
+BACKENDS: tuple[str, ...] = ("auto", "torch", "onednn")  # config.Settings.linear
 DENSE_ONE_ROW_MAX = 1 << 20  # weights; see the module docstring
 
 
