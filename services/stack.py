@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common import models
 from services.common.config import Settings
-from services.common.procs import child_preexec, free_port, pid_alive
+from services.common.procs import free_port, orphan_guard, pid_alive
 from services.drafter.models import draft_specs
 
 START_TIMEOUT_S = 300.0
@@ -108,9 +108,9 @@ class Stack:
             env["OMP_NUM_THREADS"] = str(compute_threads(role))
         log = self.log_dir / f"{role}.log"
         out = open(log, "w")
-        process = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", role],
-                                   stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env=env, preexec_fn=child_preexec)
+        command = [*orphan_guard(), sys.executable, "-m", "services.cli", "serve", role]
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, env=env)
         out.close()
         child = Child(role, port, log, process)
         self.children.append(child)

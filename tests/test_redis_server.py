@@ -3,10 +3,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 import redis
 
+from services.common.procs import orphan_guard, pid_alive
 from services.common.redis_server import RedisServer, find_redis_server
 
 
@@ -62,3 +66,32 @@ def test_start_failure_reports_the_log(tmp_path):
     bad.chmod(0o755)
     with pytest.raises(RuntimeError, match="boom: cannot start"):
         RedisServer(binary=str(bad), log_path=tmp_path / "fake.log").start()
+
+
+def test_a_killed_parent_takes_its_redis_server_along(tmp_path):
+    """The orphan guard (setpriv --pdeathsig): SIGKILL the process that started redis-server,
+    and redis-server gets SIGTERM (what `specmesh up` relies on for every service it starts)."""
+    if not orphan_guard():
+        pytest.skip("no setpriv on this system")
+    pid_file = tmp_path / "pid"
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import pathlib, sys, time\n"
+        "from services.common.redis_server import RedisServer\n"
+        "server = RedisServer()\n"
+        "server.start()\n"
+        f"pathlib.Path({str(pid_file)!r}).write_text(str(server.process.pid))\n"
+        "time.sleep(600)\n")])
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline and parent.poll() is None, "parent did not start"
+            time.sleep(0.1)
+        child = int(pid_file.read_text())
+        assert pid_alive(child)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while pid_alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not pid_alive(child), "redis-server outlived its killed parent"

@@ -1,22 +1,27 @@
 """Child processes that never outlive their parent, and free ports for them."""
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
+import shutil
 import socket
 import sys
 from pathlib import Path
 
-_PR_SET_PDEATHSIG = 1
 
+def orphan_guard() -> list[str]:
+    """Command prefix that makes a child get SIGTERM when its parent dies (Linux), so a killed
+    supervisor leaves no orphan services behind: util-linux's `setpriv --pdeathsig`, which sets
+    the flag and execs the command (same pid). [] where setpriv is missing (the child then
+    outlives a killed parent, nothing else changes).
 
-def child_preexec() -> None:
-    """preexec_fn for subprocess.Popen: on Linux the child gets SIGTERM when its parent dies,
-    so a killed supervisor leaves no orphan services behind."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    Not a `preexec_fn`: that runs Python between fork and exec, which makes CPython call the
+    at-fork handlers, and gRPC's handler, in a parent with live gRPC threads, can abort the
+    child ("epoll_wait error: Bad file descriptor", seen in the test suite). Without preexec_fn
+    the child is spawned with vfork/exec and no handler runs in it."""
+    if not sys.platform.startswith("linux"):
+        return []
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", "--"] if setpriv else []
 
 
 def free_port() -> int:

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from services.common.procs import child_preexec, free_port
+from services.common.procs import free_port, orphan_guard
 
 START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 5.0
@@ -96,11 +96,11 @@ class RedisServer:
         self.port = free_port()
         log = self.log_path or self._dir / "redis.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--protected-mode", "yes",
-                "--save", "", "--appendonly", "no", "--dir", str(self._dir), "--daemonize", "no"]
+        args = [*orphan_guard(), binary, "--port", str(self.port), "--bind", "127.0.0.1",
+                "--protected-mode", "yes", "--save", "", "--appendonly", "no", "--dir", str(self._dir), "--daemonize", "no"]
         with open(log, "ab") as out:
             self.process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, preexec_fn=child_preexec)
+                                            stdin=subprocess.DEVNULL, )
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
