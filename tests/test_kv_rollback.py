@@ -3,7 +3,7 @@ caches built by prefilling the accepted sequence from scratch (fp32 tolerance)."
 import pytest
 import torch
 
-from services.common.lm import CausalLM
+from services.common.lm import CausalLM, Part
 from services.common.sampling import SamplingParams
 from services.common.tree import TokenTree
 from services.drafter.engine import DraftModel
@@ -104,3 +104,64 @@ def test_drafter_chain_continues_correctly_after_rollback(draft, chat_prompt_ids
     draft.prefill("b", prompt + new)
     fresh, _ = draft.draft("b", [], depth=4, width=1)
     assert continued.tokens == fresh.tokens
+
+
+def test_forward_many_equals_one_forward_per_request(draft, chat_prompt_ids):
+    """Several requests' rows in one forward (chains from empty and after a cache, a single
+    row, tree rows under a visibility mask, a chain without logits) give each request the
+    logits and cache rows of its own forward."""
+    lm = draft.lm
+    prompts = [chat_prompt_ids(i)[:40] for i in (3, 4, 5, 6)]
+    solo = [lm.new_cache() for _ in prompts]
+    many = [lm.new_cache() for _ in prompts]
+    for i in (1, 2, 3):  # request 0 starts empty, the others after a past
+        lm.prefill(solo[i], prompts[i][:-4])
+        lm.prefill(many[i], prompts[i][:-4])
+    past = len(solo[2])
+    visible = torch.zeros(3, past + 3, dtype=torch.bool)  # 3 siblings: past + themselves
+    visible[:, :past] = True
+    visible[range(3), range(past, past + 3)] = True
+    parts = [Part(many[0], torch.tensor(prompts[0])),  # a prefill chain
+             Part(many[1], torch.tensor(prompts[1][-4:]), logits_from=3),  # chain after a past
+             Part(many[2], torch.tensor([11, 12, 13]), torch.full((3,), past), visible),
+             Part(many[3], torch.tensor(prompts[3][-4:-3]), logits_from=1)]  # no logits
+    got = lm.forward_many(parts)
+    want = [lm.forward(solo[0], torch.tensor(prompts[0])),
+            lm.forward(solo[1], torch.tensor(prompts[1][-4:]))[3:],
+            lm.forward(solo[2], torch.tensor([11, 12, 13]), torch.full((3,), past), visible),
+            lm.forward(solo[3], torch.tensor(prompts[3][-4:-3]))[1:]]
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == w.shape, f"request {i}: {tuple(g.shape)} vs {tuple(w.shape)}"
+        assert torch.allclose(g, w, atol=ATOL), \
+            f"request {i}: logits differ by {(g - w).abs().max()}"
+    for i, (a, b) in enumerate(zip(many, solo)):
+        assert len(a) == len(b), f"request {i}: {len(a)} cache rows vs {len(b)}"
+        for (k, v), (rk, rv) in zip(a.tensors(), b.tensors()):
+            assert torch.allclose(k, rk, atol=ATOL) and torch.allclose(v, rv, atol=ATOL)
+
+
+def test_batched_drafts_equal_drafts_one_at_a_time(draft, chat_prompt_ids):
+    """draft_many (one forward per tree level for all requests) drafts the trees that drafting
+    each request alone does, through rollbacks, a catch-up (depth 0) and mixed widths, and
+    leaves each cache equal to a fresh prefill of the committed tokens."""
+    prompts = {i: chat_prompt_ids(i) for i in (3, 4, 5, 6)}
+    for i, prompt in prompts.items():
+        draft.prefill(f"solo{i}", prompt)
+        draft.prefill(f"many{i}", prompt)
+    new = {i: [] for i in prompts}
+    for round_ in range(3):
+        shape = {i: (0 if (round_, i) == (1, 3) else 3, 1 if i == 4 else 2) for i in prompts}
+        solo = {i: draft.draft(f"solo{i}", new[i], *shape[i])[0] for i in prompts}
+        many = draft.draft_many([(f"many{i}", new[i], *shape[i]) for i in prompts])
+        for (i, want), (got, seconds) in zip(solo.items(), many):
+            assert (got.tokens, got.parents) == (want.tokens, want.parents), \
+                f"round {round_}, request {i}: batched tree differs"
+            assert seconds > 0
+            # accept the first node's path when there is one, then a bonus token it missed
+            accepted = [want.tokens[0]] if len(want) else []
+            new[i] = accepted + [next(t for t in range(100, 200) if t not in want.tokens)]
+    for i in prompts:
+        state = draft.requests[f"many{i}"]
+        assert state.tokens == draft.requests[f"solo{i}"].tokens
+        draft.draft_many([(f"many{i}", [], 0, 1)])  # catch up: every committed row computed
+        assert_same_cache(draft.lm, state.cache, state.tokens[:-1])

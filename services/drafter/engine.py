@@ -12,11 +12,12 @@ Tree shape: `depth` levels of at most `width` nodes; each level keeps the `width
 from __future__ import annotations
 
 import time
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from services.common.lm import CausalLM, KVCache
+from services.common.lm import CausalLM, KVCache, Part
 from services.common.tree import TokenTree
 
 
@@ -59,14 +60,49 @@ class DraftModel:
     def draft(self, request_id: str, new_tokens: list[int], depth: int, width: int
               ) -> tuple[TokenTree, float]:
         """Commits `new_tokens`, then drafts a tree below the new root; returns it and seconds."""
+        return self.draft_many([(request_id, new_tokens, depth, width)])[0]
+
+    def draft_many(self, items: Sequence[tuple[str, list[int], int, int]]
+                   ) -> list[tuple[TokenTree, float]]:
+        """`draft` for several requests (request_id, new_tokens, depth, width) at once: their
+        forwards run level by level as ONE forward per level (`CausalLM.forward_many`), so the
+        weights are read once for all of them. Every item is checked before any is committed.
+        Seconds per item: the batch's time divided by its items (its share of the drafter)."""
         start = time.perf_counter()
-        state = self.requests.get(request_id)
-        if state is None:
-            raise KeyError(f"request {request_id} is not prefilled on drafter {self.name}")
-        self._check_vocab(new_tokens)
-        self.commit(state, new_tokens)
-        tree = self._grow(state, depth, max(1, width)) if depth > 0 else self._catch_up(state)
-        return tree, time.perf_counter() - start
+        if len({item[0] for item in items}) < len(items):  # a request twice: one after the other
+            return [self.draft_many([item])[0] for item in items]
+        states = []
+        for request_id, new_tokens, _, _ in items:
+            state = self.requests.get(request_id)
+            if state is None:
+                raise KeyError(f"request {request_id} is not prefilled on drafter {self.name}")
+            self._check_vocab(new_tokens)
+            states.append(state)
+        runs: list[Generator[Part, torch.Tensor, TokenTree]] = []
+        for state, (_, new_tokens, depth, width) in zip(states, items):
+            self.commit(state, new_tokens)
+            runs.append(self._grow(state, depth, max(1, width)) if depth > 0
+                        else self._catch_up(state))
+        trees: list[TokenTree | None] = [None] * len(runs)
+        asks: dict[int, Part] = {}
+        for i, run in enumerate(runs):
+            self._advance(i, run, None, asks, trees)
+        while asks:
+            order = list(asks)
+            for i, logits in zip(order, self.lm.forward_many([asks[i] for i in order])):
+                self._advance(i, runs[i], logits, asks, trees)
+        seconds = (time.perf_counter() - start) / max(1, len(items))
+        return [(tree, seconds) for tree in trees]
+
+    @staticmethod
+    def _advance(i: int, run: Generator, logits: torch.Tensor | None, asks: dict[int, Part],
+                 trees: list) -> None:
+        """Feeds a drafting run its last forward's logits; records its next forward or tree."""
+        try:
+            asks[i] = next(run) if logits is None else run.send(logits)
+        except StopIteration as done:
+            asks.pop(i, None)
+            trees[i] = done.value
 
     # rollback ---------------------------------------------------------------------------------
     def commit(self, state: DraftState, new_tokens: list[int]) -> None:
@@ -90,23 +126,27 @@ class DraftModel:
         state.tokens.extend(new_tokens)
         state.root_row, state.node_rows, state.last_tree = None, {}, TokenTree()
 
-    def _catch_up(self, state: DraftState) -> TokenTree:
+    # Drafting runs are generators: each yields the forward it needs next (a `Part`), receives
+    # that part's logits, and returns the tree; `draft_many` runs several in step.
+    def _catch_up(self, state: DraftState) -> Generator[Part, torch.Tensor, TokenTree]:
         """Computes the pending rows without drafting (depth 0)."""
         state.cache.truncate(state.rows)
         state.root_row, state.node_rows, state.last_tree = None, {}, TokenTree()
         pending = state.pending
         if pending:
-            self.lm.prefill(state.cache, pending)
+            yield Part(state.cache, torch.tensor(pending, dtype=torch.long),
+                       logits_from=len(pending))
             state.rows += len(pending)
         return TokenTree()
 
     # drafting ---------------------------------------------------------------------------------
-    def _grow(self, state: DraftState, depth: int, width: int) -> TokenTree:
+    def _grow(self, state: DraftState, depth: int, width: int
+              ) -> Generator[Part, torch.Tensor, TokenTree]:
         state.cache.truncate(state.rows)  # drops speculative rows of a tree never committed
         state.node_rows = {}
         pending = state.pending
         chain = torch.tensor([*pending, state.tokens[-1]], dtype=torch.long)
-        logits = self.lm.forward(state.cache, chain)[-1:]  # [1, V] after the root
+        logits = yield Part(state.cache, chain, logits_from=len(chain) - 1)  # [1, V]: the root
         state.rows += len(pending)
         state.root_row = state.rows
         root_pos = len(state.tokens) - 1
@@ -128,7 +168,7 @@ class DraftModel:
                 new_nodes.append(len(tokens) - 1)
             if level == depth:
                 break
-            logits = self._expand(state, tokens, parents, new_nodes, root_pos + level)
+            logits = yield self._expand(state, tokens, parents, new_nodes, root_pos + level)
             frontier, frontier_scores = new_nodes, best
         tree = TokenTree(tuple(tokens), tuple(parents), tuple(scores), (0,) * len(tokens),
                          (self.name,))
@@ -136,8 +176,9 @@ class DraftModel:
         return tree
 
     def _expand(self, state: DraftState, tokens: list[int], parents: list[int],
-                nodes: list[int], position: int) -> torch.Tensor:
-        """Runs one level of nodes (each seeing the committed rows, the root and its ancestors)."""
+                nodes: list[int], position: int) -> Part:
+        """The forward of one level of nodes (each seeing the committed rows, the root and its
+        ancestors); their cache rows are recorded (the forward appends them in this order)."""
         past = len(state.cache)
         visible = torch.zeros(len(nodes), past + len(nodes), dtype=torch.bool)
         visible[:, : state.root_row + 1] = True
@@ -148,10 +189,9 @@ class DraftModel:
                 visible[slot, state.node_rows[parent]] = True
                 parent = parents[parent]
         batch = torch.tensor([tokens[i] for i in nodes], dtype=torch.long)
-        logits = self.lm.forward(state.cache, batch, torch.full((len(nodes),), position), visible)
         for slot, node in enumerate(nodes):
             state.node_rows[node] = past + slot
-        return logits
+        return Part(state.cache, batch, torch.full((len(nodes),), position), visible)
 
     def _check_vocab(self, tokens: list[int]) -> None:
         if any(not 0 <= t < self.lm.vocab_size for t in tokens):

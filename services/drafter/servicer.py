@@ -46,11 +46,19 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     @rpc_errors
     async def Draft(self, request, context):
+        """Each model drafts all of its items in one batched run (one forward per tree level
+        for all of them: DraftModel.draft_many); trees come back in item order."""
+        groups: dict[str, list[int]] = {}
+        for i, item in enumerate(request.items):
+            groups.setdefault(self._model(item.drafter).name, []).append(i)
+        out: list = [None] * len(request.items)
+        for name, indices in groups.items():
+            work = [(request.items[i].request_id, list(request.items[i].new_tokens),
+                     request.items[i].depth, request.items[i].width) for i in indices]
+            for i, result in zip(indices, await self._run(self.models[name].draft_many, work)):
+                out[i] = result
         response = drafter_pb2.DraftBatchResponse()
-        for item in request.items:
-            model = self._model(item.drafter)
-            tree, seconds = await self._run(model.draft, item.request_id, list(item.new_tokens),
-                                            item.depth, item.width)
+        for tree, seconds in out:
             response.trees.append(tree.to_pb())
             response.draft_seconds.append(seconds)
         return response

@@ -23,6 +23,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kernels.backend import AttentionBackend
+from services.common.lm import attention_implementation, model_configs
 from services.verifier.kv import KVStore
 
 log = logging.getLogger(__name__)
@@ -85,8 +86,7 @@ class PackedTarget:
 
     def __init__(self, model, store: KVStore, backend: AttentionBackend) -> None:
         self.model = model
-        self._configs = list({id(c): c for c in (getattr(m, "config", None) for m in
-                                                  model.modules()) if c is not None}.values())
+        self._configs = model_configs(model)
         self.store = store
         self.backend = backend
         self.device = store.k.device
@@ -96,14 +96,8 @@ class PackedTarget:
         """Runs all segments in one pass (their positions reserved in the store); returns each
         segment's logits rows from `logits_from` on: [n_s - logits_from, V] float32."""
         batch, keep = self._build(segments)
-        saved = [c._attn_implementation for c in self._configs]
-        for c in self._configs:
-            c._attn_implementation = ATTN_NAME
-        try:
+        with attention_implementation(self._configs, ATTN_NAME):
             return self._run(segments, batch, keep)
-        finally:
-            for c, name in zip(self._configs, saved):
-                c._attn_implementation = name
 
     def _run(self, segments: list[Segment], batch: PackedBatch, keep: torch.Tensor
              ) -> list[torch.Tensor]:
