@@ -81,10 +81,14 @@ def tree_attention_torch(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_slots, tr
         a, b, c, d = meta.qo[s], meta.qo[s + 1], meta.kv[s], meta.kv[s + 1]
         if a == b:
             continue
+        # one row sees its whole KV (prefix + itself): no mask at all, SDPA's cheapest path
+        causal = mask is None and b - a > 1
+        if b - a == 1:
+            mask = None
         # 4D inputs: torch's CPU flash kernel (3D ones fall back to the 2-3x slower math path)
         o = F.scaled_dot_product_attention(
             q[a:b].transpose(0, 1)[None], k_all[c:d].transpose(0, 1)[None],
-            v_all[c:d].transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
+            v_all[c:d].transpose(0, 1)[None], attn_mask=mask, is_causal=causal,
             scale=scale, enable_gqa=gqa)  # [1, H, n, D]
         out[a:b] = o[0].transpose(0, 1)
     return out
