@@ -1,8 +1,8 @@
 """Linear layers for small row counts on CPU: weights packed once for oneDNN.
 
 Why: a verify step multiplies every weight matrix by root + tree rows (1-64 per request), a shape
-where torch's default CPU GEMM (MKL sgemm) re-packs the whole weight matrix on every call. On this
-project's machines (AMD EPYC, AVX2) MKL's cost grows almost linearly with the rows: Qwen2.5-1.5B's
+where torch's default CPU GEMM (MKL sgemm) re-packs the whole weight matrix on every call. On an
+AMD EPYC with AVX2 (where these figures were measured) MKL's cost grows almost linearly with the rows: Qwen2.5-1.5B's
 MLP up-projection (8960 x 1536, float32) takes 3.7 ms for 1 row, 22 ms for 8 and 31 ms for 32,
 so verifying 8 tokens cost ~4x a plain step and speculation could not pay. oneDNN with the weight
 reordered once into its blocked layout (what torch.compile's CPU weight freezing does) reads the
@@ -18,12 +18,14 @@ hidden layers, the attention projections of the Qwen models; their MLPs and LM h
 
 bfloat16: oneDNN packs bf16 weights only on CPUs with AVX512-BF16/AVX-NE-CONVERT; elsewhere
 (`auto`) bf16 models keep torch's linear, whose cost grows linearly with the rows on such CPUs.
+On CPUs with AVX512-BF16 / AMX (an Intel Xeon in this project's 2026-11-23 runs) `auto` packs bf16.
 
     pack_linears(model, "auto")   # every nn.Linear -> PackedLinear where oneDNN takes its dtype
 """
 from __future__ import annotations
 
 import logging
+
 import torch
 from torch import nn
 
