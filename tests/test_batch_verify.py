@@ -59,6 +59,11 @@ def run_batch(engine: VerifierEngine, prompts: dict[str, list[int]],
                                   engine.lm.vocab_size)) for rid in todo]
         results = engine.step(items)
         assert all(r.error is None for r in results), [r.error for r in results]
+        outcomes = [r.outcome for r in results if r.outcome is not None]
+        for o in outcomes:  # what the router's batch-aware sizing regresses on
+            assert (o.batch_size, o.batch_nodes) == (len(outcomes),
+                                                     sum(x.tree_size for x in outcomes))
+            assert o.batch_rows >= o.batch_nodes + o.batch_size
         sizes.append([len(t) for _, t in items])
     out = {rid: engine.requests[rid].tokens[len(p):len(p) + MAX_TOKENS]
            for rid, p in prompts.items()}

@@ -70,3 +70,15 @@ def test_a_cancelled_caller_does_not_break_the_others():
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError):
         MicroBatcher(FakeService(), list, max_items=0)
+
+
+def test_timed_submits_get_their_share_of_the_service_time():
+    async def run():
+        service = FakeService()
+        batcher = MicroBatcher(service, list, seconds=lambda response, n: [0.5 / n] * n)
+        timed = await asyncio.gather(*(batcher.submit_timed(i, 1.0) for i in range(4)))
+        untimed = await MicroBatcher(service, list).submit_timed(3, 1.0)
+        return timed, untimed
+    timed, untimed = asyncio.run(run())
+    assert timed == [(0, 0.125), (10, 0.125), (20, 0.125), (30, 0.125)]
+    assert untimed == (30, 0.0)

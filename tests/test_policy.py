@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from services.common.tree import TokenTree
-from services.router.policy import StepChoice, TreeSizing, bucket_of
-from services.router.tree_size import AcceptanceProfile, LinearCost, best_size
+from services.router.policy import BatchShare, StepChoice, TreeSizing, VerifyStep, bucket_of
+from services.router.tree_size import AcceptanceProfile, LinearCost, StepTimeModel, best_size
 
 
 def feed(sizing: TreeSizing, cost: LinearCost, sizes=(0, 4, 8, 16), bucket: int = 1) -> None:
@@ -103,6 +103,77 @@ def test_each_request_learns_its_own_profile_from_its_walks():
     assert chat.choose(2).budget == 0
     assert 0.1 < sizing.prior.p(1, 1) < 0.9, "the prior learns from every request"
     assert sizing.for_request().profile.p(1, 1) == sizing.prior.p(1, 1)
+
+
+def batched(verify: LinearCost, draft: LinearCost, max_nodes: int = 8) -> TreeSizing:
+    """A sizing whose verifier pass time over rows and drafting time over budgets are known."""
+    sizing = TreeSizing(max_nodes=max_nodes, max_depth=4, probe_every=0,
+                        verify_times=StepTimeModel())
+    for rows in range(1, 73, 8):
+        sizing.verify_times.observe(rows, verify(rows))
+    for budget in range(1, max_nodes + 1):
+        sizing.draft_times.observe(budget, draft(budget))
+    return sizing
+
+
+def test_batch_aware_choice_maximizes_the_batch_rate():
+    """Eight in flight: the choice is the batch's rate, argmax (E_others + E(n)) /
+    (V(others' rows + 1 + n) + D_others + D(n)). On a saturated verifier (a row costs a good
+    part of a pass) the profile that pays alone is switched off; on one whose rows are nearly
+    free it still speculates."""
+    profile = AcceptanceProfile.from_probabilities([[0.6, 0.1]] * 4)
+    curve = profile.expected_tokens(8)
+    draft = LinearCost(0.002, 0.001)
+    others = BatchShare(nodes=0, tokens=7.0, requests=7)  # seven requests decoding plainly
+    for verify, on in [(LinearCost(0.100, 0.0125), False), (LinearCost(0.100, 0.0005), True)]:
+        request = batched(verify, draft).for_request()
+        request.profile = profile
+        cost = [verify(8 + n) + (draft(n) if n else 0.0) for n in range(len(curve))]
+        want = max(range(len(curve)), key=lambda n: ((7.0 + curve[n]) / cost[n], -n))
+        assert request.choose(8, others).budget == want
+        assert (want > 0) == on
+        # alone, with the same costs, it speculates: the batch is what switches it off
+        assert best_size(curve, lambda n: verify(1 + n) + (draft(n) if n else 0.0)).size > 0
+    # the others' plans count: their trees' rows and their drafting are on the step already
+    verify = LinearCost(0.100, 0.004)
+    request = batched(verify, draft).for_request()
+    request.profile = profile
+    share = BatchShare(nodes=28, tokens=7 * 1.9, requests=7, draft_seconds=0.05)
+    cost = [verify(36 + n) + 0.05 + (draft(n) if n else 0.0) for n in range(len(curve))]
+    want = max(range(len(curve)), key=lambda n: ((share.tokens + curve[n]) / cost[n], -n))
+    assert request.choose(8, share).budget == want
+    assert request.would_speculate(8, share) == (want > 0)
+
+
+def test_batch_choice_waits_for_both_costs_and_alone_uses_the_step_time():
+    sizing = TreeSizing(max_nodes=8, max_depth=4, probe_every=0, verify_times=StepTimeModel())
+    request = sizing.for_request()
+    others = BatchShare(tokens=3.0, requests=3)
+    # nothing measured: the bucket's bootstrap (default size first), and no prefill ahead
+    assert request.choose(4, others) == StepChoice(8, pytest.approx(request.profile
+                                                   .expected_tokens(8)[8]), probe=True)
+    assert not request.would_speculate(4, others)
+    # one bootstrap draft at a time per arm: the others decode plainly until it is back
+    assert sizing.for_request().choose(4, others) == StepChoice(0, 1.0)
+    step = VerifyStep(seconds=0.1, rows=12, trees=4, nodes=8)
+    request.observe(1, StepChoice(8, 2.0), chain(8), [100, 5], 0.3, 4, ["datastore"], "",
+                    step, draft_seconds=0.02)
+    assert sizing.verify_times._perf == {12: 0.1}
+    assert sizing.draft_times._perf == {8: 0.02}
+    assert sizing.batch_cost(others) is None, "one pass size: no verify line yet"
+    assert sizing.for_request().choose(4, others).probe, "the next bootstrap may go"
+    sizing.verify_times.observe(4, 0.09)
+    assert sizing.batch_cost(others)(2) == pytest.approx(
+        sizing.verify_times.fit()(3 + 1 + 2) + 0.02)
+    # a pass that also prefilled someone is not a decoding step's time
+    request.observe(2, StepChoice(0, 1.0), TokenTree.chain([]), [5], 0.9, 4, [], "",
+                    VerifyStep(seconds=0.8, rows=300, trees=4, nodes=0))
+    assert 300 not in sizing.verify_times._perf and 0 not in sizing.time_model(4)._perf
+    # alone, the bucket's step-time model decides (wall time over own tree size)
+    sizing.time_model(1).observe(0, 0.05)
+    sizing.time_model(1).observe(8, 0.06)
+    request.profile = AcceptanceProfile.from_probabilities([[0.9]] * 4)
+    assert request.choose(1).budget > 0
 
 
 def test_records_every_step_and_skips_the_prefill_time():

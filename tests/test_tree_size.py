@@ -194,6 +194,22 @@ def test_learned_profile_converges_to_the_acceptance_rates():
     assert profile.p(1, 2) == pytest.approx(0.2, abs=0.03)
 
 
+def test_a_fresh_profile_weighs_the_prior_as_a_few_observations():
+    prior = AcceptanceProfile(max_depth=1, max_rank=1, alpha=0.05, prior_top1=0.8)
+    tree = TokenTree(tokens=(10,), parents=(-1,))
+    fresh, slow = prior.fresh(prior_weight=4.0), prior.fresh(prior_weight=20.0)
+    for _ in range(4):  # a request whose text the drafter cannot guess
+        fresh.observe_tree(tree, [99])
+        slow.observe_tree(tree, [99])
+    # weights 1/5, 1/6, 1/7, 1/8: the prior's 0.8 is now 0.8 * 4/8
+    assert fresh.p(1, 1) == pytest.approx(0.4)
+    assert slow.p(1, 1) == pytest.approx(0.8 * 0.95 ** 4)
+    assert prior.p(1, 1) == pytest.approx(0.8), "the prior itself is not touched"
+    for _ in range(200):  # past 1 / alpha observations the EMA weighs alpha
+        fresh.observe_tree(tree, [10])
+    assert fresh.weights[0] == 208 and fresh.p(1, 1) == pytest.approx(1.0, abs=1e-4)
+
+
 def test_prune_keeps_the_most_valuable_nodes():
     profile = AcceptanceProfile.from_probabilities(P)
     # root -> x(1), y(2); x -> z(3); z -> w(4): values .7, .15, .42, .21

@@ -89,6 +89,10 @@ class VerifierSettings(BaseModel):
         "auto", description="attention backend: auto = flash-attn/Triton on CUDA, torch on CPU")
     metrics_port: int | None = Field(None, ge=0, description="serve Prometheus metrics here")
     claim_idle_s: float = Field(30.0, gt=0, description="re-claim drafts unacknowledged this long")
+    batch_wait_s: float | None = Field(
+        None, ge=0, description="with fewer trees in hand than requests it is serving, wait this "
+        "long for the others' trees to fill the batch (default: half the mean step time; "
+        "0 = never wait)")
     name: str = Field("", description="consumer name in the pool (default: verifier-<pid>)")
 
 

@@ -17,12 +17,15 @@ from typing import Any
 class MicroBatcher:
     def __init__(self, call: Callable[[Any, float], Awaitable[Any]],
                  make_request: Callable[[Sequence[Any]], Any], max_items: int = 64,
-                 window_s: float = 0.0) -> None:
+                 window_s: float = 0.0,
+                 seconds: Callable[[Any, int], Sequence[float]] | None = None) -> None:
         """`call(request, timeout)` sends one batched request built by `make_request(items)`;
-        its response's `trees` answer the items in order."""
+        its response's `trees` answer the items in order. `seconds(response, n)`: the service
+        time of each of the n items (`submit_timed`); default none known (0)."""
         if max_items < 1 or window_s < 0:
             raise ValueError("need max_items >= 1 and window_s >= 0")
         self._call, self._make = call, make_request
+        self._seconds = seconds or (lambda response, n: [0.0] * n)
         self.max_items, self.window_s = max_items, window_s
         self._queue: list[tuple[Any, asyncio.Future]] = []
         self._timer: asyncio.Handle | None = None
@@ -31,6 +34,11 @@ class MicroBatcher:
         self.items = 0
 
     async def submit(self, item: Any, timeout: float) -> Any:
+        """The item's tree."""
+        return (await self.submit_timed(item, timeout))[0]
+
+    async def submit_timed(self, item: Any, timeout: float) -> tuple[Any, float]:
+        """The item's tree and the service's seconds for it (its share of the batched call)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._queue.append((item, future))
@@ -60,6 +68,9 @@ class MicroBatcher:
             trees = list(response.trees)
             if len(trees) != len(batch):
                 raise RuntimeError(f"a batch of {len(batch)} got {len(trees)} trees back")
+            seconds = list(self._seconds(response, len(batch)))
+            if len(seconds) != len(batch):
+                seconds = [0.0] * len(batch)
         except BaseException as err:  # noqa: BLE001 - every caller gets the call's failure
             for _, fut in batch:
                 if not fut.done():
@@ -67,6 +78,6 @@ class MicroBatcher:
             if isinstance(err, asyncio.CancelledError):
                 raise
             return
-        for (_, fut), tree in zip(batch, trees):
+        for (_, fut), tree, secs in zip(batch, trees, seconds):
             if not fut.done():
-                fut.set_result(tree)
+                fut.set_result((tree, secs))

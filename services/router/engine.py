@@ -34,7 +34,9 @@ from services.common.sampling import SamplingParams
 from services.common.text import TextStream
 from services.common.tree import TokenTree
 from services.router.batching import MicroBatcher
-from services.router.policy import RequestSizing, StepChoice, TreeSizing, bucket_of
+from services.router.policy import (BatchShare, RequestSizing, StepChoice, TreeSizing,
+                                    VerifyStep, bucket_of)
+from services.router.tree_size import StepTimeModel
 from services.router.selection import Arm, Selection, make_selection
 from services.router.voting import MajorityVoter, Vote, choose_tree
 from services.router.stats import RequestStats
@@ -78,13 +80,19 @@ class Router:
         self._waiting: dict[tuple[str, int], asyncio.Future] = {}
         self._dispatcher: asyncio.Task | None = None
         self.live: dict[str, int] = {}  # requests being generated -> prompt length
+        # request -> (tree nodes, expected tokens, drafting seconds) of its current step
+        self.plans: dict[str, tuple[int, float, float]] = {}
+        # the verifier's pass time over its rows, shared by every arm's sizing
+        self.verify_times = StepTimeModel()
         # micro-batching: the Draft / Lookup calls of loops that are ready together -> one call
         self.drafts = MicroBatcher(
             lambda request, timeout: self.drafter.Draft(request, timeout=timeout),
-            lambda items: drafter_pb2.DraftBatchRequest(items=items), settings.draft_batch_max)
+            lambda items: drafter_pb2.DraftBatchRequest(items=items), settings.draft_batch_max,
+            seconds=lambda response, n: response.draft_seconds)
         self.lookups = MicroBatcher(
             lambda request, timeout: self.datastore.Lookup(request, timeout=timeout),
-            lambda items: datastore_pb2.LookupBatchRequest(items=items), settings.draft_batch_max)
+            lambda items: datastore_pb2.LookupBatchRequest(items=items), settings.draft_batch_max,
+            seconds=lambda response, n: [response.lookup_seconds / n] * n)
         self.backpressure_waits = 0
         self._sizings: dict[str, TreeSizing] = {}  # per arm: step times, prior acceptance
         self.drafter_names = list(drafter_names or [drafter_name])
@@ -105,6 +113,18 @@ class Router:
     def in_flight(self) -> int:
         return len(self.live)
 
+    def batch_share(self, request_id: str) -> BatchShare:
+        """The current plans of the requests in flight other than `request_id`: what its tree
+        will share the verifier's step with."""
+        nodes, tokens, requests, seconds = 0, 0.0, 0, 0.0
+        for other, (size, expected, draft_s) in self.plans.items():
+            if other != request_id:
+                nodes += size
+                tokens += expected
+                requests += 1
+                seconds += draft_s
+        return BatchShare(nodes, tokens, requests, seconds)
+
     def arms(self, drafter_names: list[str]) -> list[Arm]:
         """What a selection chooses from, cheapest first: the datastore, then the drafter's
         models in the order they are configured."""
@@ -121,7 +141,8 @@ class Router:
         if arm not in self._sizings:
             self._sizings[arm] = TreeSizing(
                 max_nodes=self.max_tree_nodes(arm), max_depth=self.speculation.depth,
-                probe_every=self.speculation.probe_every, mode=self.speculation.tree_size)
+                probe_every=self.speculation.probe_every, mode=self.speculation.tree_size,
+                verify_times=self.verify_times)
         return self._sizings[arm]
 
     def observe_vote(self, vote: Vote, emitted: list[int]) -> None:
@@ -188,6 +209,7 @@ class Router:
                     yield chunk
             finally:
                 del self.live[request_id]
+                self.plans.pop(request_id, None)
                 if self.selection is not None:
                     self.selection.release(request_id)
                 loop.cancel_prefill()
@@ -291,6 +313,7 @@ class _RequestLoop:
         self.lookup_tokens: list[int] = list(prompt)  # not yet sent to the datastore
         self.lookup_reset = True  # the next lookup sends the whole context
         self.vote: Vote | None = None  # this step's vote, when voting
+        self.draft_seconds = 0.0  # drafters' time for this step's tree
 
     def sizing(self, arm: str) -> RequestSizing:
         if arm not in self.sizings:
@@ -306,19 +329,24 @@ class _RequestLoop:
 
     async def run(self) -> AsyncIterator[router_pb2.RouteChunk]:
         if self.speculating:  # prefill the drafter the first step will use, during step 0
-            self._warm(self.arm())
+            self._warm(self.arm(), ahead=True)
         step = 0
         while True:
             started = time.perf_counter()
             in_flight = self.router.in_flight
             arm = self.arm() if step > 0 and self.speculating else None
-            choice = self.sizing(arm).choose(in_flight) if arm else StepChoice(0, 1.0)
+            choice = (self.sizing(arm).choose(in_flight, self.router.batch_share(self.request_id))
+                      if arm else StepChoice(0, 1.0))
+            self.router.plans[self.request_id] = (choice.budget, choice.expected_length, 0.0)
+            self.draft_seconds = 0.0
             if choice.budget > 0:
                 await self.router.wait_for_room()
                 tree_pb = await self._draft(arm, choice.budget)
             else:
                 tree_pb = common_pb2.TokenTree()
             tree = TokenTree.from_pb(tree_pb)
+            self.router.plans[self.request_id] = (len(tree), choice.expected_length,
+                                                  self.draft_seconds)
             drafters = _drafters(tree)
             result = await self.router.verify(
                 self.request_id, step, len(self.generated), tree_pb,
@@ -329,8 +357,11 @@ class _RequestLoop:
             emitted = [*result.accepted, result.bonus]
             seconds = time.perf_counter() - started
             sizing = self.sizing(arm or FIXED_ARM)
-            self.decisions.append(sizing.observe(step, choice, tree, emitted, seconds, in_flight,
-                                                 drafters, arm or ""))
+            verified = (VerifyStep(result.verify_seconds, result.batch_rows, result.batch_trees,
+                                   result.batch_nodes) if result.batch_trees else None)
+            self.decisions.append(sizing.observe(
+                step, choice, tree, emitted, seconds, in_flight, drafters, arm or "", verified,
+                self.draft_seconds))
             if arm and self.router.selection is not None:
                 self.router.selection.observe(self.request_id, arm, len(emitted), seconds)
             if self.vote is not None:
@@ -349,7 +380,7 @@ class _RequestLoop:
                 sync.new_tokens.extend(emitted)
             self.lookup_tokens.extend(emitted)
             if self.router.selection is not None:  # fast switching: prefill where it goes next
-                self._warm(self.router.selection.likely_arm(self.request_id))
+                self._warm(self.router.selection.likely_arm(self.request_id), ahead=True)
             step += 1
 
     def _emit(self, emitted: list[int]) -> router_pb2.RouteChunk:
@@ -395,8 +426,13 @@ class _RequestLoop:
     def _votes(self, arm: str) -> bool:
         return arm == VOTE_ARM or (arm == FIXED_ARM and self.router.voter is not None)
 
-    def _warm(self, arm: str | None) -> None:
-        """Starts the prefill of the arm's drafter models that do not hold this request yet."""
+    def _warm(self, arm: str | None, ahead: bool = False) -> None:
+        """Starts the prefill of the arm's drafter models that do not hold this request yet.
+        `ahead` (before the arm is used): only if the request's sizing would draft on it now;
+        a request whose steps run plain (a saturated batch) costs its drafters nothing."""
+        if ahead and arm is not None and not self.sizing(arm).would_speculate(
+                self.router.in_flight, self.router.batch_share(self.request_id)):
+            return
         for name in self._model_names(arm):
             if name not in self.syncs:
                 self.syncs[name] = _DrafterSync(asyncio.create_task(
@@ -443,7 +479,9 @@ class _RequestLoop:
                                         max_nodes=nodes, max_depth=spec.depth,
                                         reset=self.lookup_reset)
         try:
-            tree = await self.router.lookups.submit(item, self.router.settings.step_timeout_s)
+            tree, seconds = await self.router.lookups.submit_timed(
+                item, self.router.settings.step_timeout_s)
+            self.draft_seconds += seconds
         except (grpc.RpcError, asyncio.TimeoutError) as err:
             log.warning("datastore lookup for %s failed (%s): this step runs without its tree",
                         self.request_id, _describe(err))
@@ -468,7 +506,9 @@ class _RequestLoop:
         item = drafter_pb2.DraftItem(request_id=self.request_id, drafter=name,
                                      new_tokens=sync.new_tokens, depth=depth, width=spec.width)
         try:
-            tree = await self.router.drafts.submit(item, self.router.settings.step_timeout_s)
+            tree, seconds = await self.router.drafts.submit_timed(
+                item, self.router.settings.step_timeout_s)
+            self.draft_seconds += seconds
         except (grpc.RpcError, asyncio.TimeoutError) as err:
             log.warning("drafting for %s failed (%s): this step runs without a tree",
                         self.request_id, _describe(err))

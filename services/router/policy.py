@@ -11,6 +11,25 @@ accept very differently), and the choice each step:
 
     budget = argmax_n E_request(n) / T_bucket(n),   n = 0 .. max_nodes, 0 = speculation off
 
+alone (one request in flight), and with others in flight
+
+    budget = argmax_n (E_others + E_request(n)) / (V(R_others + 1 + n) + D_others + D_arm(n))
+
+the rate of the whole batch: V(rows) = the verifier's pass time over its rows (reported with
+every result, regressed router-wide over passes that only decoded), D_arm(n) = the drafters'
+time for an n-node budget on this arm (reported by the drafter and the datastore), and
+R_others, D_others, E_others = rows (nodes + one root each), drafting time and expected tokens
+of the other requests' current plans (`BatchShare`). A request's tree then pays for the time
+it adds to every request's step, not only to its own. Regressing the wall time of a request's
+step on its own tree size, as alone, failed with 8 in flight: a request going plain while
+others drafted saw their drafting in its step time, "off" never looked cheaper, and every
+speculative method ran at 0.5-0.65x plain batched decoding where speculation off ran at
+1.17x (Qwen 1.5B fp32, two cores). The wall time also mixes in waits for other requests'
+work; V and D are measured where the work is done. D_others is a sum: drafters on the
+verifier's cores (the embedded mesh) or one drafter process draft the trees one after another
+(a fleet of drafters in parallel makes this conservative). Deviation: ProPD chooses one size for the batch when the batch size changes;
+here each request chooses, knowing the others' plans.
+
 Deviations from ProPD, each for a reason:
 - T is the router's wall time of a step (drafting + pool + verification + result), not the
   verifier's forward time alone: ProPD's drafts are Medusa heads, nearly free; ours are draft
@@ -29,6 +48,9 @@ Deviations from ProPD, each for a reason:
   first two tokens are accepted the choice turns speculation back on, after which the
   deeper levels learn again.
 - Bootstrap: until a bucket has two measured sizes, the default size and then size 0 are run.
+  With others in flight, until V and D are measured one request of the arm at a time drafts
+  the default size and the others decode plainly (eight requests each bootstrapping a model
+  arm cost eight drafter prefills).
 
 `mode="length"` swaps ProPD's choice for Minions' adaptive speculation length (`length.py`,
 section 3.3): one selector per arm watches step time / emitted tokens and moves the budget s
@@ -36,7 +58,7 @@ up or down by the slope of that ratio; every request of the arm drafts s nodes.
 """
 from __future__ import annotations
 
-import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.common.tree import TokenTree
@@ -48,6 +70,7 @@ from specmesh.v1 import common_pb2
 
 OFF_PROBE_SPACING = 4  # an off request probes every 4 * probe_every steps
 OFF_PROBE_SIZE = 2
+BOOTSTRAP_TIMEOUT = 64  # choices after which a batch bootstrap draft that never came back is retried
 
 
 @dataclass(frozen=True)
@@ -57,19 +80,47 @@ class StepChoice:
     probe: bool = False
 
 
+@dataclass(frozen=True)
+class BatchShare:
+    """What the other requests in flight plan for their current step."""
+
+    nodes: int = 0  # draft nodes of their trees
+    tokens: float = 0.0  # tokens their steps are expected to emit, bonus included
+    requests: int = 0  # how many they are (one root row each in the verify pass)
+    draft_seconds: float = 0.0  # drafter time their trees take
+
+
+@dataclass(frozen=True)
+class VerifyStep:
+    """What the verifier reported of the forward pass a tree was verified in."""
+
+    seconds: float  # the forward pass and walk
+    rows: int  # rows of the pass
+    trees: int  # trees verified in it
+    nodes: int  # their draft nodes
+
+    @property
+    def prefilled(self) -> bool:
+        """The pass also prefilled (or caught up) a request: rows beyond one per tree + nodes."""
+        return self.rows > self.nodes + self.trees
+
+
 def bucket_of(in_flight: int) -> int:
     """1, 2, 4, 8, ...: the concurrency bucket of a step-time model."""
     return 1 << max(in_flight - 1, 0).bit_length()
 
 
 class TreeSizing:
-    """Router-wide part: step-time models per concurrency bucket and the prior profile."""
+    """Router-wide part of one arm: step-time models per concurrency bucket, the arm's drafting
+    time, the prior profile; and the verifier's pass time (`verify_times`, over rows), which
+    the router shares between its arms."""
 
     def __init__(self, max_nodes: int, max_depth: int, adaptive: bool = True,
                  probe_every: int = 16, config: TreeSizeConfig | None = None,
-                 mode: str | None = None) -> None:
+                 mode: str | None = None, verify_times: StepTimeModel | None = None) -> None:
         """`mode`: "fixed" (the whole tree every step), "adaptive" (ProPD), "length" (Minions);
-        default from `adaptive`."""
+        default from `adaptive`. `verify_times`: None = no batched choice (every concurrency
+        uses the step-time model of its bucket)."""
         if max_nodes < 0 or max_depth < 0:
             raise ValueError("need max_nodes >= 0 and max_depth >= 0")
         mode = mode or ("adaptive" if adaptive else "fixed")
@@ -87,10 +138,15 @@ class TreeSizing:
             max_size=max_nodes, max_depth=max(max_depth, 1), max_rank=base.max_rank,
             time_alpha=base.time_alpha, age_decay=base.age_decay, prob_alpha=base.prob_alpha,
             prior_top1=base.prior_top1, default_size=min(base.default_size, max_nodes),
-            context_tolerance=base.context_tolerance)
+            context_tolerance=base.context_tolerance, prior_weight=base.prior_weight)
         self.prior = AcceptanceProfile(self.config.max_depth, self.config.max_rank,
                                        self.config.prob_alpha, self.config.prior_top1)
         self.times: dict[int, StepTimeModel] = {}
+        self.verify_times = verify_times
+        # drafter seconds of one request's tree as a function of its budget (0 for budget 0)
+        self.draft_times = StepTimeModel(self.config.time_alpha, self.config.age_decay)
+        self.choices = 0  # choices made on this arm (its clock)
+        self.bootstrap_until = 0  # a batch bootstrap draft is out until this choice
 
     def time_model(self, bucket: int) -> StepTimeModel:
         model = self.times.get(bucket)
@@ -102,8 +158,19 @@ class TreeSizing:
     def cost(self, bucket: int) -> LinearCost | None:
         return self.time_model(bucket).fit()
 
+    def batch_cost(self, others: BatchShare) -> Callable[[int], float] | None:
+        """Seconds of a step shared with `others` as a function of this request's tree size n:
+        the verifier's pass over everyone's rows plus everyone's drafting,
+        V(others' rows + 1 + n) + others' drafting + D(n). None until both are measured."""
+        verify = self.verify_times.fit() if self.verify_times is not None else None
+        draft = self.draft_times.estimate()
+        if verify is None or draft is None:
+            return None
+        rows = others.nodes + others.requests + 1
+        return lambda n: verify(rows + n) + others.draft_seconds + (draft(n) if n else 0.0)
+
     def for_request(self) -> "RequestSizing":
-        return RequestSizing(self, copy.deepcopy(self.prior))
+        return RequestSizing(self, self.prior.fresh(self.config.prior_weight))
 
 
 @dataclass
@@ -115,7 +182,7 @@ class RequestSizing:
     decisions: list[common_pb2.StepDecision] = field(default_factory=list)
     _speculated: int = 0  # steps after the prefill step
 
-    def choose(self, in_flight: int) -> StepChoice:
+    def choose(self, in_flight: int, others: BatchShare = BatchShare()) -> StepChoice:
         shared = self.shared
         if shared.max_nodes == 0:
             return StepChoice(0, 1.0)
@@ -127,20 +194,61 @@ class RequestSizing:
             s = min(shared.length.s, top)
             return StepChoice(s, curve[s])
         self._speculated += 1
-        model = shared.time_model(bucket_of(in_flight))
-        cost = model.fit()
-        if cost is None:  # bootstrap: the default size, then plain, then the fit exists
-            seen = set(model._perf)
+        shared.choices += 1
+        size = self._optimum(curve, in_flight, others)
+        if size is None and self._batched(in_flight):
+            # bootstrap of the batch costs: one request of the arm at a time drafts the default
+            # size (measuring D and a second pass size for V), the others decode plainly
+            if shared.choices < shared.bootstrap_until:
+                return StepChoice(0, 1.0)
+            shared.bootstrap_until = shared.choices + BOOTSTRAP_TIMEOUT
+            size = min(shared.config.default_size, top)
+            return StepChoice(size, curve[size], probe=True)
+        if size is None:  # bootstrap: the default size, then plain, then the fit exists
+            seen = set(shared.time_model(bucket_of(in_flight))._perf)
             size = shared.config.default_size if not seen or 0 in seen else 0
             return StepChoice(min(size, top), curve[min(size, top)], probe=True)
-        choice = best_size(curve, cost)
-        size = choice.size if choice is not None else shared.config.default_size
         every = shared.probe_every * (OFF_PROBE_SPACING if size == 0 else 1)
         if every and self._speculated % every == 0:
             size, probe = self._neighbour(size, top), True
         else:
             probe = False
         return StepChoice(size, curve[size], probe)
+
+    def _batched(self, in_flight: int) -> bool:
+        return in_flight > 1 and self.shared.verify_times is not None
+
+    def _optimum(self, curve: list[float], in_flight: int, others: BatchShare) -> int | None:
+        """The best size now; None before the time models can tell (bootstrap).
+
+        Alone: argmax E(n) / T_bucket(n) (ProPD). With others in flight: argmax
+        (E_others + E(n)) / T_batch(n), the batch's rate."""
+        shared = self.shared
+        if self._batched(in_flight):
+            cost = shared.batch_cost(others)
+            if cost is None:
+                return None
+            choice = best_size(curve, cost, 0, others.tokens)
+        else:
+            fit = shared.time_model(bucket_of(in_flight)).fit()
+            if fit is None:
+                return None
+            choice = best_size(curve, fit)
+        return choice.size if choice is not None else shared.config.default_size
+
+    def would_speculate(self, in_flight: int, others: BatchShare = BatchShare()) -> bool:
+        """Whether a step now would draft (probes and the bootstrap aside), without counting
+        as a step: the router prefills a drafter ahead of time only for requests that will use
+        it. Before the time model can tell it says no: the bootstrap's few draft steps prefill
+        when they draft, rather than every request prefilling every drafter it might be sent
+        to."""
+        shared = self.shared
+        if shared.max_nodes == 0:
+            return False
+        if not shared.adaptive or shared.length is not None:
+            return True
+        size = self._optimum(self.profile.expected_tokens(shared.max_nodes), in_flight, others)
+        return bool(size)
 
     def _neighbour(self, size: int, top: int) -> int:
         if size == 0:
@@ -150,17 +258,30 @@ class RequestSizing:
         return up if (self._speculated // self.shared.probe_every) % 2 and up != size else down
 
     def observe(self, step: int, choice: StepChoice, tree: TokenTree, emitted: list[int],
-                seconds: float, in_flight: int, drafters: list[str], arm: str = ""
+                seconds: float, in_flight: int, drafters: list[str], arm: str = "",
+                verify: VerifyStep | None = None, draft_seconds: float = 0.0
                 ) -> common_pb2.StepDecision:
-        """One finished step: updates the models (not for the prefill step, whose time is a
-        prefill's) and records the decision."""
+        """One finished step: updates the models and records the decision. `verify`: the
+        verifier's pass the tree was in; `draft_seconds`: the drafters' time for this tree.
+
+        The models skip the request's prefill step and passes that also prefilled another
+        request: their time is a prefill's, whatever the trees' sizes (with requests arriving
+        together such steps are most of what the small concurrency buckets see; they fitted
+        T(0) at several times a decoding step)."""
+        shared = self.shared
         if step > 0:
-            self.shared.time_model(bucket_of(in_flight)).observe(len(tree), seconds)
-            if self.shared.length is not None and choice.budget > 0:
-                self.shared.length.observe(seconds, [len(emitted) - 1])
+            if verify is None or not verify.prefilled:
+                shared.time_model(bucket_of(in_flight)).observe(len(tree), seconds)
+                if verify is not None and shared.verify_times is not None:
+                    shared.verify_times.observe(verify.rows, verify.seconds)
+            if choice.budget > 0 and draft_seconds > 0:
+                shared.draft_times.observe(choice.budget, draft_seconds)
+                shared.bootstrap_until = 0  # a bootstrap draft came back
+            if shared.length is not None and choice.budget > 0:
+                shared.length.observe(seconds, [len(emitted) - 1])
             if len(tree):
                 self.profile.observe_tree(tree, emitted)
-                self.shared.prior.observe_tree(tree, emitted)
+                shared.prior.observe_tree(tree, emitted)
         record = common_pb2.StepDecision(
             step=step, budget=choice.budget, tree_size=len(tree),
             expected_length=choice.expected_length, emitted=len(emitted), seconds=seconds,

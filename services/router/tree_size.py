@@ -20,8 +20,13 @@ Our additions: n = 0 is a candidate (E(0) = 1, plain decoding), so the selector 
 speculation off when no tree beats E(0) / T_est(0); and `prune` cuts a drafted tree down to
 the n nodes the probabilities value most. Deviations, each explained where made: o_i counted in
 steps rather than seconds, a negative fitted slope clamped to 0, `default_size` until two sizes
-have been measured, P initialised to a prior rather than 0. Note that with size 0 chosen no
-tree is verified, so the acceptance EMAs stop learning until the router drafts again.
+have been measured, P initialised to a prior rather than 0, and the EMA's weight at depth d
+max(alpha, 1 / (prior_weight + observations at d)) (`AcceptanceProfile.fresh`): the prior
+counts as `prior_weight` observations and the first walks of a request move its profile
+faster than alpha alone would (a chat request started from a prior that code requests made
+optimistic kept drafting for ~20 steps before alpha = 0.05 brought it down). Note that with
+size 0 chosen no tree is verified, so the acceptance EMAs stop learning until the router
+drafts again.
 
 Mapping to our trees (ProPD's heads are Medusa heads): depth d = a node's depth below the root
 (the last accepted token), rank k = its position among its siblings by score (highest first;
@@ -40,6 +45,7 @@ verifier's `cost.py` (roles share no modules), but `choose` accepts any cost fun
 """
 from __future__ import annotations
 
+import copy
 import heapq
 import math
 from collections.abc import Callable, Sequence
@@ -58,6 +64,7 @@ class TreeSizeConfig:
     time_alpha: float = 0.3  # alpha of the T_perf EMA
     age_decay: float = 0.02  # lambda of W_i = exp(-lambda o_i), o_i counted in observed steps
     prob_alpha: float = 0.05  # alpha of the P EMA
+    prior_weight: float = 4.0  # observations the prior counts as in a request's profile
     # initial P_d^k = 1 - (1 - prior_top1)^k. The paper does not say how P starts; from 0 every
     # tree would be worth nothing and the first choice would switch speculation off for good.
     prior_top1: float = 0.5
@@ -70,8 +77,8 @@ class TreeSizeConfig:
         for name in ("time_alpha", "prob_alpha"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1]")
-        if not 0 <= self.prior_top1 <= 1 or self.age_decay < 0:
-            raise ValueError("need 0 <= prior_top1 <= 1 and age_decay >= 0")
+        if not 0 <= self.prior_top1 <= 1 or self.age_decay < 0 or self.prior_weight < 1:
+            raise ValueError("need 0 <= prior_top1 <= 1, age_decay >= 0, prior_weight >= 1")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,6 +114,12 @@ class StepTimeModel:
         self._perf[size] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
         self._updated[size] = self._step
         self._step += 1
+
+    def estimate(self) -> LinearCost | None:
+        """`fit`, or with one size seen a constant at its time; None before any."""
+        if len(self._perf) == 1:
+            return LinearCost(next(iter(self._perf.values())), 0.0)
+        return self.fit()
 
     def fit(self) -> LinearCost | None:
         """Weighted least squares over the sizes seen; None before two distinct sizes.
@@ -148,6 +161,15 @@ class AcceptanceProfile:
         self.max_depth, self.max_rank, self.alpha = max_depth, max_rank, alpha
         prior = [1 - (1 - prior_top1) ** k for k in range(1, max_rank + 1)]
         self.cumulative = [list(prior) for _ in range(max_depth)]  # [depth - 1][k - 1] = P_d^k
+        # per depth: the weight the current values stand for (observations, the prior's
+        # weight included); the EMA never weighs a new observation below alpha
+        self.weights = [1.0 / alpha] * max_depth
+
+    def fresh(self, prior_weight: float) -> "AcceptanceProfile":
+        """A copy for a new request: the same values, worth `prior_weight` observations."""
+        out = copy.deepcopy(self)
+        out.weights = [prior_weight] * self.max_depth
+        return out
 
     @classmethod
     def from_probabilities(cls, p: Sequence[Sequence[float]], alpha: float = 0.05
@@ -176,9 +198,11 @@ class AcceptanceProfile:
         if not 1 <= depth <= self.max_depth:
             return
         row = self.cumulative[depth - 1]
+        self.weights[depth - 1] += 1
+        alpha = max(self.alpha, 1.0 / self.weights[depth - 1])
         for k in range(1, self.max_rank + 1):
             hit = 1.0 if accepted_rank is not None and accepted_rank <= k else 0.0
-            row[k - 1] = (1 - self.alpha) * row[k - 1] + self.alpha * hit
+            row[k - 1] = (1 - alpha) * row[k - 1] + alpha * hit
 
     def observe_tree(self, tree: TokenTree, emitted: Sequence[int]) -> None:
         """Updates from one verified tree and the tokens the verifier emitted for it (the
@@ -283,17 +307,27 @@ class SizeChoice:
         return self.expected_tokens / self.step_seconds
 
 
-def best_size(curve: Sequence[float], cost: Callable[[int], float]) -> SizeChoice | None:
+def best_size(curve: Sequence[float], cost: Callable[[int], float], other_nodes: int = 0,
+              other_tokens: float = 0.0) -> SizeChoice | None:
     """argmax_n curve[n] / cost(n) over n with cost(n) > 0; ties (and n = 0 when nothing beats
-    it) go to the smaller size. None if no size has a positive cost."""
+    it) go to the smaller size. None if no size has a positive cost.
+
+    Batched (our extension; ProPD picks one size for the whole batch): with other trees of
+    `other_nodes` nodes in total verified in the same step, expected to emit `other_tokens`
+    tokens, `cost` is the step's time as a function of the batch's total nodes and the choice
+    maximizes the batch's rate, argmax_n (other_tokens + curve[n]) / cost(other_nodes + n). A
+    saturated verifier (each node costs as much as a row of plain decoding) thus makes a
+    request's tree pay for the time it adds to every request of the batch, not only its own;
+    with no others it is the single-request choice."""
     best: SizeChoice | None = None
+    best_rate = 0.0
     for n, tokens in enumerate(curve):
-        seconds = cost(n)
+        seconds = cost(other_nodes + n)
         if seconds <= 0:
             continue
-        choice = SizeChoice(n, tokens, seconds)
-        if best is None or choice.tokens_per_second > best.tokens_per_second:
-            best = choice
+        rate = (other_tokens + tokens) / seconds
+        if best is None or rate > best_rate:
+            best, best_rate = SizeChoice(n, tokens, seconds), rate
     return best
 
 

@@ -55,7 +55,9 @@ class StepOutcome:
     walk: WalkResult
     tree_size: int
     seconds: float  # the whole batched step this tree was verified in
-    batch_size: int = 1
+    batch_size: int = 1  # trees in that step
+    batch_nodes: int = 0  # draft nodes of all those trees
+    batch_rows: int = 0  # rows of the forward pass (prefill chunks included)
 
 
 @dataclass(frozen=True)
@@ -201,8 +203,10 @@ class VerifierEngine:
             logits = self.target.forward([p.segment for p in planned.values()])
             seconds = time.perf_counter() - start
             trees = sum(1 for p in planned.values() if p.tree is not None)
+            nodes = sum(len(p.tree) for p in planned.values() if p.tree is not None)
+            shape = (trees, nodes, sum(p.segment.num_rows for p in planned.values()))
             for (i, plan), rows in zip(planned.items(), logits):
-                results[i] = self._commit(plan, rows, seconds, trees)
+                results[i] = self._commit(plan, rows, seconds, shape)
             self._observe(list(planned.values()), trees, seconds)
         return [results[i] for i in range(len(items))]
 
@@ -279,8 +283,9 @@ class VerifierEngine:
                          tuple(remap.get(tree.parents[i], -1) for i in keep))
 
     # commit -----------------------------------------------------------------------------------
-    def _commit(self, plan: _Planned, logits: torch.Tensor, seconds: float, trees: int
-                ) -> StepResult:
+    def _commit(self, plan: _Planned, logits: torch.Tensor, seconds: float,
+                shape: tuple[int, int, int]) -> StepResult:
+        """`shape`: (trees, their nodes, rows) of the whole step."""
         req, seg = plan.req, plan.segment
         req.last_used = time.monotonic()
         self.prefill_rows += seg.logits_from
@@ -291,7 +296,7 @@ class VerifierEngine:
         result = walk(plan.compiled, logits, req.sampler, req.tokens)
         self.store.commit(plan.request_id, root, [0, *result.rows])
         req.tokens.extend([*result.tokens, result.bonus])
-        return StepResult(plan.request_id, StepOutcome(result, len(plan.tree), seconds, trees))
+        return StepResult(plan.request_id, StepOutcome(result, len(plan.tree), seconds, *shape))
 
     def _observe(self, planned: list[_Planned], trees: int, seconds: float) -> None:
         rows = sum(p.segment.num_rows for p in planned)
@@ -329,6 +334,9 @@ class VerifierEngine:
                 result.bonus = w.bonus
                 result.tree_size = step.outcome.tree_size
                 result.verify_seconds = step.outcome.seconds
+                result.batch_trees = step.outcome.batch_size
+                result.batch_nodes = step.outcome.batch_nodes
+                result.batch_rows = step.outcome.batch_rows
                 out.append((result, [*w.tokens, w.bonus]))
         return out
 

@@ -1,0 +1,68 @@
+"""The verifier worker's batch forming (worker.py `_fill`): with fewer trees in hand than
+requests it serves, it waits (bounded) for the others' trees; alone it never waits. Real
+in-memory pool; the engine is not involved."""
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+from services.common.config import VerifierSettings
+from services.common.pool.memory import MemoryPool
+from services.verifier.worker import VerifierWorker
+from specmesh.v1 import pool_pb2
+
+
+def worker(pool: MemoryPool, **settings) -> VerifierWorker:
+    engine = SimpleNamespace(name="verifier-test")
+    return VerifierWorker(engine, pool, executor=None, settings=VerifierSettings(**settings))
+
+
+async def submit(pool: MemoryPool, request_id: str, delay: float = 0.0) -> None:
+    await asyncio.sleep(delay)
+    await pool.submit(pool_pb2.DraftEntry(request_id=request_id, step=1, reply_to="r"))
+
+
+def test_waits_for_the_trees_of_the_requests_it_serves():
+    async def run():
+        pool = MemoryPool()
+        w = worker(pool, batch_size=8, batch_wait_s=1.0)
+        now = time.monotonic()
+        w._serving.update({"a": now, "b": now, "c": now})
+        await submit(pool, "a")
+        batch = await pool.take(w.name, 8, 0.1)
+        late = [asyncio.create_task(submit(pool, rid, 0.05)) for rid in ("b", "c")]
+        start = time.perf_counter()
+        batch = await w._fill(batch)
+        waited = time.perf_counter() - start
+        await asyncio.gather(*late)
+        return batch, waited, w.batch_waits
+    batch, waited, waits = asyncio.run(run())
+    assert sorted(t.entry.request_id for t in batch) == ["a", "b", "c"]
+    assert waited < 0.5, "returns as soon as every served request's tree is in"
+    assert waits == 1
+
+
+def test_the_wait_is_bounded_and_a_lone_request_never_waits():
+    async def run():
+        pool = MemoryPool()
+        w = worker(pool, batch_size=8, batch_wait_s=0.05)
+        await submit(pool, "a")
+        start = time.perf_counter()
+        alone = await w._fill(await pool.take(w.name, 8, 0.1))
+        alone_s = time.perf_counter() - start
+        w._serving.update({"a": time.monotonic(), "gone": time.monotonic()})
+        await submit(pool, "a")
+        start = time.perf_counter()
+        bounded = await w._fill(await pool.take(w.name, 8, 0.1))
+        bounded_s = time.perf_counter() - start
+        never = worker(pool, batch_size=8, batch_wait_s=0)
+        never._serving.update(w._serving)
+        await submit(pool, "a")
+        start = time.perf_counter()
+        await never._fill(await pool.take(never.name, 8, 0.1))
+        return alone, alone_s, bounded, bounded_s, time.perf_counter() - start
+    alone, alone_s, bounded, bounded_s, never_s = asyncio.run(run())
+    assert len(alone) == 1 and alone_s < 0.02
+    assert len(bounded) == 1 and 0.04 < bounded_s < 0.5, "waited batch_wait_s for 'gone'"
+    assert never_s < 0.02
