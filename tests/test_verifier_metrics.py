@@ -1,0 +1,36 @@
+"""The verifier's Prometheus metrics (metrics.py): step histograms, KV gauges, and the fitted
+step-cost coefficients, which are computed when scraped rather than at every step."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from prometheus_client import generate_latest
+
+from services.verifier.cost import VerifyCostModel
+from services.verifier.engine import StepStats
+from services.verifier.metrics import VerifierMetrics
+
+
+def sample(metrics: VerifierMetrics, name: str, labels: dict | None = None) -> float:
+    return metrics.registry.get_sample_value(name, labels or {})
+
+
+def test_cost_coefficients_follow_the_fit_at_scrape_time():
+    cost = VerifyCostModel(min_samples=4)
+    engine = SimpleNamespace(cost=cost, evictions=2,
+                             store=SimpleNamespace(used_blocks=3, block_size=16, capacity=1024))
+    metrics = VerifierMetrics()
+    stats = StepStats(rows=9, context=300, segments=2, trees=2, seconds=0.05)
+    metrics.observe_step(engine, stats, drafted=7, accepted=4)
+    assert sample(metrics, "specmesh_verifier_cost_coefficient", {"feature": "rows"}) == 0.0
+    for rows in range(1, 40, 3):  # seconds = 0.02 + 0.001 * rows
+        cost.observe(rows, 100 + rows, 1, 0.02 + 0.001 * rows)
+    metrics.observe_step(engine, stats, drafted=0, accepted=0)
+    fit = cost.fit()
+    assert sample(metrics, "specmesh_verifier_cost_coefficient",
+                  {"feature": "rows"}) == fit.per_row_s
+    assert sample(metrics, "specmesh_verifier_cost_coefficient",
+                  {"feature": "intercept"}) == fit.intercept_s
+    assert sample(metrics, "specmesh_verifier_kv_used_tokens") == 48
+    assert sample(metrics, "specmesh_verifier_accepted_tokens_total") == 4
+    assert b"specmesh_verifier_step_seconds_count 2.0" in generate_latest(metrics.registry)
