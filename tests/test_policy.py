@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from services.common.tree import TokenTree
-from services.router.policy import BatchShare, StepChoice, TreeSizing, VerifyStep, bucket_of
-from services.router.tree_size import AcceptanceProfile, LinearCost, StepTimeModel, best_size
+from services.router.policy import (BatchShare, PassTimes, StepChoice, TreeSizing, VerifyStep,
+                                   bucket_of)
+from services.router.tree_size import AcceptanceProfile, LinearCost, best_size
 
 
 def feed(sizing: TreeSizing, cost: LinearCost, sizes=(0, 4, 8, 16), bucket: int = 1) -> None:
@@ -108,7 +109,7 @@ def test_each_request_learns_its_own_profile_from_its_walks():
 def batched(verify: LinearCost, draft: LinearCost, max_nodes: int = 8) -> TreeSizing:
     """A sizing whose verifier pass time over rows and drafting time over budgets are known."""
     sizing = TreeSizing(max_nodes=max_nodes, max_depth=4, probe_every=0,
-                        verify_times=StepTimeModel())
+                        verify_times=PassTimes())
     for rows in range(1, 73, 8):
         sizing.verify_times.observe(rows, verify(rows))
     for budget in range(1, max_nodes + 1):
@@ -146,7 +147,7 @@ def test_batch_aware_choice_maximizes_the_batch_rate():
 
 
 def test_batch_choice_waits_for_both_costs_and_alone_uses_the_step_time():
-    sizing = TreeSizing(max_nodes=8, max_depth=4, probe_every=0, verify_times=StepTimeModel())
+    sizing = TreeSizing(max_nodes=8, max_depth=4, probe_every=0, verify_times=PassTimes())
     request = sizing.for_request()
     others = BatchShare(tokens=3.0, requests=3)
     # nothing measured: the bucket's bootstrap (default size first), and no prefill ahead
@@ -159,6 +160,10 @@ def test_batch_choice_waits_for_both_costs_and_alone_uses_the_step_time():
     request.observe(1, StepChoice(8, 2.0), chain(8), [100, 5], 0.3, 4, ["datastore"], "",
                     step, draft_seconds=0.02)
     assert sizing.verify_times._perf == {12: 0.1}
+    # the same pass reported by another tree of it is not counted again
+    sizing.for_request().observe(1, StepChoice(8, 2.0), chain(8), [100, 5], 0.3, 4,
+                                 ["datastore"], "", step)
+    assert sizing.verify_times._step == 1
     assert sizing.draft_times._perf == {8: 0.02}
     assert sizing.batch_cost(others) is None, "one pass size: no verify line yet"
     assert sizing.for_request().choose(4, others).probe, "the next bootstrap may go"

@@ -34,9 +34,8 @@ from services.common.sampling import SamplingParams
 from services.common.text import TextStream
 from services.common.tree import TokenTree
 from services.router.batching import MicroBatcher
-from services.router.policy import (BatchShare, RequestSizing, StepChoice, TreeSizing,
-                                    VerifyStep, bucket_of)
-from services.router.tree_size import StepTimeModel
+from services.router.policy import (BatchShare, PassTimes, RequestSizing, StepChoice,
+                                    TreeSizing, VerifyStep, bucket_of)
 from services.router.selection import Arm, Selection, make_selection
 from services.router.voting import MajorityVoter, Vote, choose_tree
 from services.router.stats import RequestStats
@@ -83,7 +82,7 @@ class Router:
         # request -> (tree nodes, expected tokens, drafting seconds) of its current step
         self.plans: dict[str, tuple[int, float, float]] = {}
         # the verifier's pass time over its rows, shared by every arm's sizing
-        self.verify_times = StepTimeModel()
+        self.verify_times = PassTimes()
         # micro-batching: the Draft / Lookup calls of loops that are ready together -> one call
         self.drafts = MicroBatcher(
             lambda request, timeout: self.drafter.Draft(request, timeout=timeout),
@@ -358,7 +357,8 @@ class _RequestLoop:
             seconds = time.perf_counter() - started
             sizing = self.sizing(arm or FIXED_ARM)
             verified = (VerifyStep(result.verify_seconds, result.batch_rows, result.batch_trees,
-                                   result.batch_nodes) if result.batch_trees else None)
+                                   result.batch_nodes, result.verifier)
+                        if result.batch_trees else None)
             self.decisions.append(sizing.observe(
                 step, choice, tree, emitted, seconds, in_flight, drafters, arm or "", verified,
                 self.draft_seconds))

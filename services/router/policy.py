@@ -58,6 +58,7 @@ up or down by the slope of that ratio; every request of the arm drafts s nodes.
 """
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -98,11 +99,27 @@ class VerifyStep:
     rows: int  # rows of the pass
     trees: int  # trees verified in it
     nodes: int  # their draft nodes
+    verifier: str = ""  # who ran it
 
     @property
     def prefilled(self) -> bool:
         """The pass also prefilled (or caught up) a request: rows beyond one per tree + nodes."""
         return self.rows > self.nodes + self.trees
+
+
+@dataclass
+class PassTimes(StepTimeModel):
+    """The verifier's pass time over its rows (V). Every tree of a pass reports the same pass;
+    it is counted once, so a pass of 8 trees neither outweighs a pass of 1 nor ages the other
+    sizes 8 steps at a time."""
+
+    _seen: deque = field(default_factory=lambda: deque(maxlen=256), init=False, repr=False)
+
+    def observe_pass(self, step: VerifyStep) -> None:
+        key = (step.verifier, step.seconds, step.rows)
+        if key not in self._seen:
+            self._seen.append(key)
+            self.observe(step.rows, step.seconds)
 
 
 def bucket_of(in_flight: int) -> int:
@@ -117,7 +134,7 @@ class TreeSizing:
 
     def __init__(self, max_nodes: int, max_depth: int, adaptive: bool = True,
                  probe_every: int = 16, config: TreeSizeConfig | None = None,
-                 mode: str | None = None, verify_times: StepTimeModel | None = None) -> None:
+                 mode: str | None = None, verify_times: PassTimes | None = None) -> None:
         """`mode`: "fixed" (the whole tree every step), "adaptive" (ProPD), "length" (Minions);
         default from `adaptive`. `verify_times`: None = no batched choice (every concurrency
         uses the step-time model of its bucket)."""
@@ -273,7 +290,7 @@ class RequestSizing:
             if verify is None or not verify.prefilled:
                 shared.time_model(bucket_of(in_flight)).observe(len(tree), seconds)
                 if verify is not None and shared.verify_times is not None:
-                    shared.verify_times.observe(verify.rows, verify.seconds)
+                    shared.verify_times.observe_pass(verify)
             if choice.budget > 0 and draft_seconds > 0:
                 shared.draft_times.observe(choice.budget, draft_seconds)
                 shared.bootstrap_until = 0  # a bootstrap draft came back
