@@ -77,7 +77,8 @@ class EmbeddedMesh:
         router = Router(pool, LocalStub(drafter) if drafter else None, tokenizer, info,
                         settings.speculation, settings.router,
                         datastore=LocalStub(datastore) if datastore else None,
-                        drafter_names=list(drafter.models) if drafter else None)
+                        drafter_names=list(drafter.models) if drafter else None,
+                        drafter_costs={m.name: m.level_seconds for m in drafts})
         served = ServedModel(settings.model, tokenizer, target.context_length,
                              settings.max_tokens_default, settings.max_tokens_limit)
         gateway = LocalStub(GatewayServicer(LocalStub(RouterServicer(router)), served))

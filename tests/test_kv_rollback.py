@@ -165,3 +165,19 @@ def test_batched_drafts_equal_drafts_one_at_a_time(draft, chat_prompt_ids):
         assert state.tokens == draft.requests[f"solo{i}"].tokens
         draft.draft_many([(f"many{i}", [], 0, 1)])  # catch up: every committed row computed
         assert_same_cache(draft.lm, state.cache, state.tokens[:-1])
+
+
+def test_measuring_the_drafting_cost_leaves_no_request_behind(draft, chat_prompt_ids):
+    """`measure` (run when a drafter loads its models) times drafting forwards on a request of
+    its own and drops it; the requests being served keep their caches."""
+    prompt = chat_prompt_ids(3)
+    draft.prefill("m", prompt)
+    before = draft.draft("m", [], depth=3, width=1)[0]
+    draft.draft("m", [before.tokens[0], 7], depth=0, width=1)
+    held = set(draft.requests)
+    assert draft.measure(context=16, depth=3, reps=2) == draft.level_seconds > 0
+    assert set(draft.requests) == held
+    state = draft.requests["m"]
+    assert state.tokens == prompt + [before.tokens[0], 7]
+    assert_same_cache(draft.lm, state.cache, state.tokens[:-1])
+    draft.release("m")

@@ -181,6 +181,56 @@ def test_batch_choice_waits_for_both_costs_and_alone_uses_the_step_time():
     assert request.choose(1).budget > 0
 
 
+def test_a_drafters_measured_cost_spares_the_batch_bootstrap():
+    """With the drafter's own timing as D until drafts are timed, an arm whose drafting cannot
+    pay in the batch is never bootstrapped: no draft, no drafter prefill ahead."""
+    verify = LinearCost(0.100, 0.019)  # Qwen 1.5B bf16 on two cores: ~19 ms per row
+    others = BatchShare(tokens=7.0, requests=7)
+
+    def arm(prior):
+        sizing = TreeSizing(max_nodes=4, max_depth=4, probe_every=0, verify_times=PassTimes(),
+                            draft_prior=prior)
+        for rows in (6, 8):
+            sizing.verify_times.observe(rows, verify(rows))
+        return sizing.for_request()
+
+    level = 0.060  # the 0.5B draft: one forward of one request
+    request = arm(lambda n: min(n, 4) * level)
+    assert request.choose(8, others) == StepChoice(0, 1.0)
+    assert not request.would_speculate(8, others)
+    assert request.shared.batch_cost(others)(4) == pytest.approx(verify(12) + 4 * level)
+    # without it: the bootstrap drafts the default size to measure D
+    assert arm(None).choose(8, others).probe
+    # a cheap drafter still speculates on a profile that pays
+    request = arm(lambda n: min(n, 4) * 0.001)
+    request.profile = AcceptanceProfile.from_probabilities([[0.95]] * 4)
+    assert request.choose(8, others).budget > 0
+    # timed drafts replace the estimate
+    request.shared.draft_times.observe(4, 0.5)
+    assert request.shared.batch_cost(others)(4) == pytest.approx(verify(12) + 0.5)
+
+
+def test_an_off_request_skips_probes_that_could_not_pay():
+    """A probe only teaches acceptance: when even a fully accepted probe tree would not beat a
+    plain step at the current costs, an off request does not probe."""
+    sizing = TreeSizing(max_nodes=10, max_depth=10, probe_every=4)
+    feed(sizing, LinearCost(0.030, 0.040))  # each node costs more than a plain step
+    request = sizing.for_request()
+    request.profile = AcceptanceProfile.from_probabilities([[0.05]] * 10)
+    assert all(request.choose(1) == StepChoice(0, 1.0) for _ in range(64))
+    # batched: the same rule over the batch's rate
+    sizing = TreeSizing(max_nodes=4, max_depth=4, probe_every=1, verify_times=PassTimes(),
+                        draft_prior=lambda n: min(n, 4) * 0.060)
+    for rows in (6, 8):
+        sizing.verify_times.observe(rows, LinearCost(0.100, 0.019)(rows))
+    request = sizing.for_request()
+    others = BatchShare(tokens=7.0, requests=7)
+    assert all(request.choose(8, others) == StepChoice(0, 1.0) for _ in range(16))
+    # where a fully accepted probe would pay, it probes as before
+    sizing.draft_prior = lambda n: min(n, 4) * 0.001
+    assert any(request.choose(8, others).probe for _ in range(16))
+
+
 def test_records_every_step_and_skips_the_prefill_time():
     sizing = TreeSizing(max_nodes=8, max_depth=4)
     request = sizing.for_request()

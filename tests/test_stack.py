@@ -22,7 +22,7 @@ from otlp import Collector
 from services.common.procs import free_port
 from services.stack import Stack
 from specmesh import AsyncClient, Client, InvalidRequest
-from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
+from specmesh.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 NUM_QUESTIONS = 8  # lossless on 20 is tested embedded (test_lossless_greedy); here: the wire
 MAX_TOKENS = 64
@@ -180,6 +180,16 @@ def verifier_info(stack):
 def pool_keys(stack, kind):
     with redis.Redis.from_url(stack.settings.redis_url) as r:
         return r.keys(f"{stack.settings.pool_prefix}:{kind}:*")
+
+
+def test_drafter_reports_its_models_and_their_measured_cost(stack):
+    """The router's estimate of a model's drafting cost before it has timed drafts."""
+    with grpc.insecure_channel(f"127.0.0.1:{child(stack, 'drafter').port}") as channel:
+        info = drafter_pb2_grpc.DrafterStub(channel).Info(drafter_pb2.DrafterInfoRequest(),
+                                                          timeout=5)
+    assert [(m.name, m.kind, m.num_layers) for m in info.models] == [
+        ("smollm2-135m:layers=24", "truncated", 24)]
+    assert 0 < info.models[0].level_seconds < 5
 
 
 def test_cancelled_stream_releases_the_request(stack, client):

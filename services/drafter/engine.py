@@ -43,6 +43,22 @@ class DraftModel:
         self.name = name
         self.kind = kind  # "truncated" | "model"
         self.requests: dict[str, DraftState] = {}
+        self.level_seconds = 0.0  # one drafting forward of one request (`measure`), 0 = unknown
+
+    def measure(self, context: int = 32, depth: int = 4, reps: int = 3) -> float:
+        """Times drafting forwards of one request over a short context (a warm-up draft, then
+        the fastest of `reps` chains of `depth`): `level_seconds`, which routers take as this
+        model's drafting cost until they have timed their own drafts. Leaves no request behind."""
+        request_id = f"__measure-{id(self)}"
+        tokens = [t % self.lm.vocab_size for t in range(1, context + 1)]
+        try:
+            self.prefill(request_id, tokens)
+            self.draft(request_id, [], depth, 1)  # warm-up: new shapes
+            best = min(self.draft(request_id, [tokens[0]], depth, 1)[1] for _ in range(reps))
+        finally:
+            self.release(request_id)
+        self.level_seconds = best / depth
+        return self.level_seconds
 
     def prefill(self, request_id: str, tokens: list[int]) -> int:
         """(Re)builds the request's cache from its whole context; returns len(tokens)."""

@@ -43,7 +43,9 @@ def build_draft_models(settings: Settings) -> list[DraftModel]:
                                  f"'{settings.model}': drafts must use the same token ids")
             lm = CausalLM(models.load_model(path, dtype, linear=settings.linear), spec)
             out.append(DraftModel(lm, spec, "model"))
-        log.info("draft model %s: %d layers, %s", out[-1].name, out[-1].lm.num_layers, dtype)
+        out[-1].measure()
+        log.info("draft model %s: %d layers, %s, %.1f ms per drafting forward", out[-1].name,
+                 out[-1].lm.num_layers, dtype, 1e3 * out[-1].level_seconds)
     return out
 
 

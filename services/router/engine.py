@@ -21,7 +21,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -64,7 +64,11 @@ class Router:
     def __init__(self, pool: Pool, drafter, tokenizer, target: TargetInfo,
                  speculation: SpeculationSettings, settings: RouterSettings,
                  router_id: str | None = None, drafter_name: str = "", datastore=None,
-                 drafter_names: list[str] | None = None) -> None:
+                 drafter_names: list[str] | None = None,
+                 drafter_costs: dict[str, float] | None = None) -> None:
+        """`drafter_costs`: seconds of one drafting forward of one request per draft model
+        name (the drafter's `DraftModelInfo.level_seconds`), the tree-size policy's estimate of
+        a model's drafting cost until the router has timed its drafts."""
         if speculation.source != "model" and speculation.depth > 0 and datastore is None:
             raise ValueError(f"speculation.source={speculation.source!r} needs a datastore service")
         self.pool = pool
@@ -95,6 +99,7 @@ class Router:
         self.backpressure_waits = 0
         self._sizings: dict[str, TreeSizing] = {}  # per arm: step times, prior acceptance
         self.drafter_names = list(drafter_names or [drafter_name])
+        self.drafter_costs = {name: cost for name, cost in (drafter_costs or {}).items() if cost > 0}
         # majority vote (Minions 3.2) over every source: the configured arm with selection=fixed,
         # else one more arm for the selection
         self.voter: MajorityVoter | None = None
@@ -141,8 +146,34 @@ class Router:
             self._sizings[arm] = TreeSizing(
                 max_nodes=self.max_tree_nodes(arm), max_depth=self.speculation.depth,
                 probe_every=self.speculation.probe_every, mode=self.speculation.tree_size,
-                verify_times=self.verify_times)
+                verify_times=self.verify_times, draft_prior=self.draft_prior(arm))
         return self._sizings[arm]
+
+    def model_names(self, arm: str | None) -> list[str]:
+        """The model drafters an arm drafts with ("" = the drafter's default model)."""
+        if arm is None or arm == DATASTORE_ARM:
+            return []
+        source = self.speculation.source
+        if arm == VOTE_ARM:
+            return self.drafter_names if source != "datastore" else []
+        if arm == FIXED_ARM:
+            if source == "datastore":
+                return []
+            return self.drafter_names if self.voter else [self.drafter_name]
+        return [arm]
+
+    def draft_prior(self, arm: str) -> Callable[[int], float] | None:
+        """The arm's drafting seconds for a budget of n nodes before any was timed: one forward
+        per tree level (depth min(n, depth)) of each of its models, at the drafters' own
+        measurement. None where a model's cost is unknown or the arm has no model: the
+        datastore's lookups are cheap and timed at the first one."""
+        names = self.model_names(arm)
+        first = next(iter(self.drafter_costs.values()), 0.0)
+        costs = [self.drafter_costs.get(name, 0.0) if name else first for name in names]
+        if not costs or not all(costs):
+            return None
+        level, depth = sum(costs), self.speculation.depth
+        return lambda n: min(n, depth) * level
 
     def observe_vote(self, vote: Vote, emitted: list[int]) -> None:
         """Credits the voted drafter; weights are updated once per verifier batch's worth of
@@ -406,17 +437,7 @@ class _RequestLoop:
 
     # drafting ---------------------------------------------------------------------------------
     def _model_names(self, arm: str | None) -> list[str]:
-        """The model drafters an arm drafts with ("" = the drafter's default model)."""
-        if arm is None or arm == DATASTORE_ARM:
-            return []
-        source = self.router.speculation.source
-        if arm == VOTE_ARM:
-            return self.router.drafter_names if source != "datastore" else []
-        if arm == FIXED_ARM:
-            if source == "datastore":
-                return []
-            return self.router.drafter_names if self.router.voter else [self.router.drafter_name]
-        return [arm]
+        return self.router.model_names(arm)
 
     def _uses_datastore(self, arm: str | None) -> bool:
         source = self.router.speculation.source

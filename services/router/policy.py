@@ -46,11 +46,16 @@ Deviations from ProPD, each for a reason:
   costs what a tree costs over a plain step (on a CPU verifying rows at ~40% of a plain step
   each, an 8-node probe every 16 steps alone would cost ~6% of plain speed), and if its
   first two tokens are accepted the choice turns speculation back on, after which the
-  deeper levels learn again.
+  deeper levels learn again. An off request skips its probe when even a tree whose every
+  node were accepted would not beat plain decoding at the current costs: a probe can only
+  teach acceptance, and on a model arm it also costs a drafter prefill (Qwen 1.5B bf16, 8 in
+  flight: a 0.5B draft of 4 levels took 245 ms against a 340 ms pass of all eight).
 - Bootstrap: until a bucket has two measured sizes, the default size and then size 0 are run.
   With others in flight, until V and D are measured one request of the arm at a time drafts
   the default size and the others decode plainly (eight requests each bootstrapping a model
-  arm cost eight drafter prefills).
+  arm cost eight drafter prefills). D starts as the drafter's own measurement where it
+  reported one (`draft_prior`: one forward per tree level, timed when the model was loaded),
+  so a model arm whose drafting cannot pay in the current batch is never bootstrapped.
 
 `mode="length"` swaps ProPD's choice for Minions' adaptive speculation length (`length.py`,
 section 3.3): one selector per arm watches step time / emitted tokens and moves the budget s
@@ -134,10 +139,13 @@ class TreeSizing:
 
     def __init__(self, max_nodes: int, max_depth: int, adaptive: bool = True,
                  probe_every: int = 16, config: TreeSizeConfig | None = None,
-                 mode: str | None = None, verify_times: PassTimes | None = None) -> None:
+                 mode: str | None = None, verify_times: PassTimes | None = None,
+                 draft_prior: Callable[[int], float] | None = None) -> None:
         """`mode`: "fixed" (the whole tree every step), "adaptive" (ProPD), "length" (Minions);
         default from `adaptive`. `verify_times`: None = no batched choice (every concurrency
-        uses the step-time model of its bucket)."""
+        uses the step-time model of its bucket). `draft_prior`: the arm's drafting seconds as a
+        function of the budget until they have been timed (the drafters' own measurement): a
+        batch need not bootstrap an arm whose drafting it can already tell does not pay."""
         if max_nodes < 0 or max_depth < 0:
             raise ValueError("need max_nodes >= 0 and max_depth >= 0")
         mode = mode or ("adaptive" if adaptive else "fixed")
@@ -162,6 +170,7 @@ class TreeSizing:
         self.verify_times = verify_times
         # drafter seconds of one request's tree as a function of its budget (0 for budget 0)
         self.draft_times = StepTimeModel(self.config.time_alpha, self.config.age_decay)
+        self.draft_prior = draft_prior
         self.choices = 0  # choices made on this arm (its clock)
         self.bootstrap_until = 0  # a batch bootstrap draft is out until this choice
 
@@ -180,7 +189,7 @@ class TreeSizing:
         the verifier's pass over everyone's rows plus everyone's drafting,
         V(others' rows + 1 + n) + others' drafting + D(n). None until both are measured."""
         verify = self.verify_times.fit() if self.verify_times is not None else None
-        draft = self.draft_times.estimate()
+        draft = self.draft_times.estimate() or self.draft_prior
         if verify is None or draft is None:
             return None
         rows = others.nodes + others.requests + 1
@@ -226,11 +235,25 @@ class RequestSizing:
             size = shared.config.default_size if not seen or 0 in seen else 0
             return StepChoice(min(size, top), curve[min(size, top)], probe=True)
         every = shared.probe_every * (OFF_PROBE_SPACING if size == 0 else 1)
+        probe = False
         if every and self._speculated % every == 0:
-            size, probe = self._neighbour(size, top), True
-        else:
-            probe = False
+            neighbour = self._neighbour(size, top)
+            if size or self._could_pay(neighbour, in_flight, others):
+                size, probe = neighbour, True
         return StepChoice(size, curve[size], probe)
+
+    def _could_pay(self, n: int, in_flight: int, others: BatchShare) -> bool:
+        """Whether an n-node tree whose every node were accepted (n + 1 tokens) would beat
+        plain decoding at the current cost model."""
+        if self._batched(in_flight):
+            cost = self.shared.batch_cost(others)
+            base = others.tokens + 1.0
+        else:
+            cost = self.shared.time_model(bucket_of(in_flight)).fit()
+            base = 1.0
+        if cost is None:
+            return True
+        return (base + n) * cost(0) > base * cost(n)
 
     def _batched(self, in_flight: int) -> bool:
         return in_flight > 1 and self.shared.verify_times is not None

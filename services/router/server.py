@@ -1,7 +1,10 @@
 """Router process: `specmesh serve router` (or `python -m services.router`)."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+
+import grpc
 
 from services.common import models, pool as pool_mod, serving
 from services.common.config import Settings
@@ -11,6 +14,8 @@ from services.router.engine import Router, TargetInfo
 from services.router.servicer import SERVICE_NAME, RouterServicer
 from specmesh.v1 import (datastore_pb2, datastore_pb2_grpc, drafter_pb2, drafter_pb2_grpc,
                          router_pb2_grpc)
+
+log = logging.getLogger(__name__)
 
 
 def target_info(name: str, path: Path, tokenizer) -> TargetInfo:
@@ -43,15 +48,25 @@ async def start(settings: Settings):
         datastore = datastore_pb2_grpc.DatastoreStub(datastore_channel)
         await check_datastore(datastore, tokenizer, settings.router.step_timeout_s)
     drafter = drafter_pb2_grpc.DrafterStub(drafter_channel)
-    names = None
+    names, costs = None, None
     spec = settings.speculation
-    if (spec.selection != "fixed" or spec.voting) and spec.source != "datastore":
-        info = await drafter.Info(drafter_pb2.DrafterInfoRequest(),
-                                  timeout=settings.router.step_timeout_s)
-        names = [m.name for m in info.models]  # the arms / the voters
+    if spec.source != "datastore" and spec.depth > 0:
+        needed = spec.selection != "fixed" or spec.voting  # the arms / the voters
+        try:
+            info = await drafter.Info(drafter_pb2.DrafterInfoRequest(),
+                                      timeout=settings.router.step_timeout_s)
+        except grpc.RpcError as err:
+            if needed:
+                raise
+            # one configured drafter: its cost estimate is a nicety, the router times drafts
+            log.warning("drafter Info failed (%s): no drafting-cost estimate before the first "
+                        "drafts", err.code())
+        else:
+            names = [m.name for m in info.models] if needed else None
+            costs = {m.name: m.level_seconds for m in info.models}
     router = Router(pool, drafter, tokenizer, target_info(settings.model, path, tokenizer),
                     settings.speculation, settings.router, datastore=datastore,
-                    drafter_names=names)
+                    drafter_names=names, drafter_costs=costs)
     router.start()
     server, port = await start_server(
         [(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(router), SERVICE_NAME)],
