@@ -263,3 +263,32 @@ def test_length_mode_follows_the_minions_selector():
     assert not TreeSizing(max_nodes=8, max_depth=8, mode="fixed").adaptive
     with pytest.raises(ValueError, match="unknown tree-size mode"):
         TreeSizing(max_nodes=8, max_depth=8, mode="magic")
+
+
+def test_router_prices_each_arm_from_its_models_measured_cost():
+    """The prior of an arm: one forward per level (depth min(n, depth)) of each model it drafts
+    with; none for the datastore or where a model did not report a cost."""
+    from services.common.config import Settings
+    from services.router.engine import Router, TargetInfo
+
+    spec = Settings().with_overrides(**{
+        "speculation.source": "both", "speculation.depth": 4, "speculation.selection": "lbss",
+        "speculation.voting": True})
+
+    def router(costs, names=("a", "b"), speculation=spec.speculation):
+        return Router(None, None, None, TargetInfo("t", 10, 100, (0,)), speculation,
+                      spec.router, datastore=object(), drafter_names=list(names),
+                      drafter_costs=costs)
+
+    r = router({"a": 0.05, "b": 0.01})
+    assert r.draft_prior("a")(2) == pytest.approx(0.10)
+    assert r.draft_prior("b")(9) == pytest.approx(0.04), "no deeper than the configured depth"
+    assert r.draft_prior("vote")(8) == pytest.approx(4 * 0.06), "every model drafts"
+    assert r.draft_prior("datastore") is None
+    assert router({"a": 0.05, "b": 0.0}).draft_prior("vote") is None
+    assert r.sizing_for("a").draft_prior(3) == pytest.approx(0.15)
+    # one configured drafter ("" = its first model)
+    fixed = spec.with_overrides(**{"speculation.selection": "fixed", "speculation.voting": False,
+                                   "speculation.source": "model"}).speculation
+    assert router({"m": 0.02}, names=(), speculation=fixed).draft_prior("configured")(4) == \
+        pytest.approx(0.08)

@@ -99,7 +99,7 @@ class Router:
         self.backpressure_waits = 0
         self._sizings: dict[str, TreeSizing] = {}  # per arm: step times, prior acceptance
         self.drafter_names = list(drafter_names or [drafter_name])
-        self.drafter_costs = {name: cost for name, cost in (drafter_costs or {}).items() if cost > 0}
+        self.drafter_costs = dict(drafter_costs or {})  # 0 = not measured
         # majority vote (Minions 3.2) over every source: the configured arm with selection=fixed,
         # else one more arm for the selection
         self.voter: MajorityVoter | None = None
@@ -167,10 +167,9 @@ class Router:
         per tree level (depth min(n, depth)) of each of its models, at the drafters' own
         measurement. None where a model's cost is unknown or the arm has no model: the
         datastore's lookups are cheap and timed at the first one."""
-        names = self.model_names(arm)
-        first = next(iter(self.drafter_costs.values()), 0.0)
-        costs = [self.drafter_costs.get(name, 0.0) if name else first for name in names]
-        if not costs or not all(costs):
+        default = next(iter(self.drafter_costs), "")  # the drafter's first model
+        costs = [self.drafter_costs.get(name or default, 0.0) for name in self.model_names(arm)]
+        if not costs or not all(cost > 0 for cost in costs):
             return None
         level, depth = sum(costs), self.speculation.depth
         return lambda n: min(n, depth) * level
