@@ -435,9 +435,6 @@ class _RequestLoop:
                                      stats=stats)
 
     # drafting ---------------------------------------------------------------------------------
-    def _model_names(self, arm: str | None) -> list[str]:
-        return self.router.model_names(arm)
-
     def _uses_datastore(self, arm: str | None) -> bool:
         source = self.router.speculation.source
         return (arm == DATASTORE_ARM or (arm in (FIXED_ARM, VOTE_ARM) and
@@ -453,7 +450,7 @@ class _RequestLoop:
         if ahead and arm is not None and not self.sizing(arm).would_speculate(
                 self.router.in_flight, self.router.batch_share(self.request_id)):
             return
-        for name in self._model_names(arm):
+        for name in self.router.model_names(arm):
             if name not in self.syncs:
                 self.syncs[name] = _DrafterSync(asyncio.create_task(
                     self._prefill_drafter(name, self.prompt + self.generated)))
@@ -472,7 +469,7 @@ class _RequestLoop:
         """A tree of at most `budget` nodes from the arm's sources (fixed sizing: the
         configured tree, as drafted)."""
         self._warm(arm)
-        names = self._model_names(arm)
+        names = self.router.model_names(arm)
         parts = [self._draft_model(name, budget) for name in names]
         if self._uses_datastore(arm):
             parts.append(self._lookup(budget))
