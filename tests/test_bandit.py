@@ -251,6 +251,42 @@ def test_likely_destination_without_capacity_contention_is_the_papers_argmax():
     assert {rid: p.drafter for rid, p in lbss.likely_destinations().items()} == switch_free
 
 
+def test_exploration_skips_drafters_the_request_would_only_decode_plainly_on():
+    """Deviation 8: a drafter whose trees cannot pay for a request (the caller's `idle`) is not
+    drawn for it in exploration; with every drafter idle the draw is uniform again; exploitation
+    still matches on the estimates."""
+    drafters = [DrafterSpec(name, capacity=len(IDS)) for name in NAMES]
+    lbss = LBSS(drafters, alpha=8, beta=1, seed=5)
+    idle_on = {"r0": {"layers-4", "layers-12", "small-lm"},   # only lookup pays
+               "r1": {"lookup"},
+               "r2": set(NAMES)}                               # nothing pays: uniform
+    drawn = {rid: Counter() for rid in idle_on}
+    for _ in range(8):
+        assert lbss.stage == "explore"
+        placement = lbss.assign(list(idle_on), idle=lambda rid, d: d in idle_on[rid])
+        for rid, p in placement.items():
+            drawn[rid][p.drafter] += 1
+            assert lbss.likely_destination(rid).drafter not in idle_on[rid] or rid == "r2"
+        lbss.next_slot()
+    assert set(drawn["r0"]) == {"lookup"}
+    assert "lookup" not in drawn["r1"] and len(drawn["r1"]) > 1
+    assert len(drawn["r2"]) > 1
+    # an advance draw that became idle before its chunk is drawn again
+    lbss = LBSS(drafters, alpha=4, beta=2, seed=0)
+    lbss.assign(["r0"])
+    ahead = lbss.likely_destination("r0").drafter
+    lbss.next_slot(), lbss.next_slot()
+    assert lbss.assign(["r0"], idle=lambda rid, d: d == ahead)["r0"].drafter != ahead
+    # exploitation ignores `idle`: the matching follows the goodputs
+    lbss = LBSS(drafters, alpha=1, beta=1, seed=0)
+    for j, name in enumerate(NAMES):
+        lbss.observe("r0", name, TRUE[0, j], 1.0)
+    lbss.assign(["r0"])
+    lbss.next_slot()
+    assert lbss.stage == "exploit"
+    assert lbss.assign(["r0"], idle=lambda rid, d: d == "lookup")["r0"].drafter == "lookup"
+
+
 # ---------------------------------------------------------------------------------------------
 # 5. bad input, overflow, determinism
 @pytest.mark.parametrize("make", [

@@ -231,6 +231,26 @@ def test_an_off_request_skips_probes_that_could_not_pay():
     assert any(request.choose(8, others).probe for _ in range(16))
 
 
+def test_runs_plain_says_whether_the_choice_would_be_off():
+    """What the selection asks before exploring an arm: measured costs and the request's
+    profile say no tree pays (True), or they cannot tell yet / the sizing always drafts
+    (False). It counts as no step."""
+    sizing = TreeSizing(max_nodes=10, max_depth=10, probe_every=4)
+    request = sizing.for_request()
+    assert not request.runs_plain(1), "costs not measured yet: the bootstrap decides"
+    feed(sizing, LinearCost(0.030, 0.010))
+    request.profile = AcceptanceProfile.from_probabilities([[0.05]] * 10)
+    assert request.runs_plain(1)
+    request.profile = AcceptanceProfile.from_probabilities([[0.9]] * 10)
+    assert not request.runs_plain(1)
+    assert request.decisions == [] and request._speculated == 0 and sizing.choices == 0
+    for mode in ("fixed", "length"):
+        other = TreeSizing(max_nodes=10, max_depth=10, mode=mode)
+        feed(other, LinearCost(0.030, 0.010))
+        assert not other.for_request().runs_plain(1)
+    assert TreeSizing(max_nodes=0, max_depth=0).for_request().runs_plain(1)
+
+
 def test_records_every_step_and_skips_the_prefill_time():
     sizing = TreeSizing(max_nodes=8, max_depth=4)
     request = sizing.for_request()

@@ -89,3 +89,23 @@ def test_epsilon_greedy_exploits_with_its_probability(exploit):
 def test_unknown_kind_is_refused():
     with pytest.raises(ValueError, match="unknown drafter selection"):
         make_selection("round-robin", ARMS)
+
+
+def test_lbss_explores_only_arms_that_would_draft_and_baselines_ignore_idle():
+    """The router's `idle(request, arm)` (that arm's sizing says no tree pays for the request)
+    reaches LBSS's exploration; the SPIN baselines keep their definitions."""
+    clock = Clock()
+    sel = LBSSSelection(ARMS, slot_s=1.0, seed=2, clock=clock)
+    live = {"r0": 10, "r1": 10}
+    idle = {"r0": {"small", "large"}, "r1": set()}
+    seen = {rid: Counter() for rid in live}
+    for t in range(40):
+        clock.now = float(t)
+        plan = {rid: sel.arm_for(rid, live, lambda r, a: a in idle[r]) for rid in live}
+        if sel.lbss.stage == "explore":
+            for rid, arm in plan.items():
+                seen[rid][arm] += 1
+    assert set(seen["r0"]) == {"datastore"}
+    assert len(seen["r1"]) > 1
+    greedy = GreedyByPromptLength(ARMS)
+    assert greedy.arm_for("r0", {"r0": 1}, lambda r, a: True) == "datastore"

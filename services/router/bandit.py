@@ -49,12 +49,21 @@ Deviations from the paper (each marked `deviation:` where it is coded):
    verifier's bonus token only); the paper's constraint (5) assumes every request gets an SSM.
 7. In exploitation the predicted destination is the matching the stage would solve now, not the
    paper's argmax_j g~[i, j] (the two differ only when a capacity binds).
+8. Exploration does not draw a drafter on which the request is known to decode plainly
+   (`assign(..., idle=)`: the caller's tree-size policy has measured that no tree from that
+   drafter pays for this request now). Such a slot would be a plain step whatever the drafter,
+   so it teaches the bandit only the plain rate, at the plain rate: with one request in flight
+   (Qwen 1.5B / SmolLM2 targets on two CPU cores) a third of a request's life went to
+   exploration slots on model drafters that then ran plain, and LBSS fell 15-20% behind
+   always choosing the datastore. If every drafter is idle for a request the draw is uniform,
+   as the paper's. Idle drafters still get exploitation (the matching) and their tree-size
+   policy keeps probing, so a drafter that starts paying is found again.
 """
 from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -142,6 +151,7 @@ class LBSS:
         self._draws_key: PlanKey | None = None       # random draws made in advance (fast switch)
         self._draws: dict[Hashable, Placement] = {}
         self._active: list[Hashable] = []            # ids of the last assign
+        self._idle: Callable[[Hashable, str], bool] | None = None  # of the last assign
         self.switches, self.switch_seconds = 0, 0.0
 
     # ---------------------------------------------------------------------------------------
@@ -182,16 +192,19 @@ class LBSS:
     # ---------------------------------------------------------------------------------------
     # decisions
     def assign(self, request_ids: Iterable[Hashable],
-               context_tokens: Mapping[Hashable, int] | None = None
+               context_tokens: Mapping[Hashable, int] | None = None,
+               idle: Callable[[Hashable, str], bool] | None = None
                ) -> dict[Hashable, Placement | None]:
         """Placement of each request for the current slot (None: no drafter free, see 6.).
 
         Within a chunk / an exploitation stage a request keeps its placement; calling twice in
         a slot returns the same. `context_tokens` (prompt + generated) sizes the switching cost;
-        without it the accepted tokens observed so far are used."""
+        without it the accepted tokens observed so far are used. `idle(request, drafter)`: the
+        request would decode plainly on that drafter; exploration does not draw it (see 8.)."""
         ids = list(request_ids)
         if len(set(ids)) != len(ids):
             raise ValueError("duplicate request ids")
+        self._idle = idle
         if context_tokens:
             self._context.update(context_tokens)
         key = self._key()
@@ -236,28 +249,42 @@ class LBSS:
         out: dict[Hashable, Placement | None] = {}
         dropped = []
         for rid in order:
-            want = draws.get(rid) or self._draw(rid)
+            want = draws.get(rid)
+            if want is None or want.drafter not in {
+                    d.name for d in self._not_idle(rid, self.drafters)}:  # idle since the draw
+                want = self._draw(rid)
             out[rid] = self._fit(want, load)
             if out[rid] is None:
                 dropped.append(rid)
         for rid in dropped:
             # deviation 2: a dropped request takes a random drafter that still has room
-            room = [d for d in self.drafters
-                    if any(load[Placement(d.name, r)] < d.capacity for r in range(d.replicas))]
+            room = self._not_idle(rid, [
+                d for d in self.drafters
+                if any(load[Placement(d.name, r)] < d.capacity for r in range(d.replicas))])
             if self.refill and room:
                 d = room[self._rng.integers(len(room))]
                 out[rid] = self._fit(self._draw(rid, d), load)
         return out
 
     def _draw(self, rid: Hashable, d: DrafterSpec | None = None) -> Placement:
-        """A uniform random drafter (or `d`); its instance: the request's own if it is already
-        on that drafter, else a uniform random one."""
+        """A uniform random drafter (or `d`), among those the request is not idle on if there
+        are any (deviation 8); its instance: the request's own if it is already on that
+        drafter, else a uniform random one."""
         if d is None:
-            d = self.drafters[self._rng.integers(len(self.drafters))]
+            live = self._not_idle(rid, self.drafters)
+            d = live[self._rng.integers(len(live))]
         home = self._home.get(rid)
         if home is not None and home.drafter == d.name:
             return home
         return Placement(d.name, int(self._rng.integers(d.replicas)))
+
+    def _not_idle(self, rid: Hashable, drafters: list[DrafterSpec] | tuple[DrafterSpec, ...]
+                  ) -> list[DrafterSpec]:
+        """The drafters the request would not decode plainly on; all of them if there are none."""
+        if self._idle is None:
+            return list(drafters)
+        live = [d for d in drafters if not self._idle(rid, d.name)]
+        return live or list(drafters)
 
     def _fit(self, want: Placement, load: Counter) -> Placement | None:
         """`want` if its instance has room, else the least loaded instance of the same drafter

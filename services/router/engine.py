@@ -83,6 +83,7 @@ class Router:
         self._waiting: dict[tuple[str, int], asyncio.Future] = {}
         self._dispatcher: asyncio.Task | None = None
         self.live: dict[str, int] = {}  # requests being generated -> prompt length
+        self.loops: dict[str, _RequestLoop] = {}  # the same requests' loops
         # request -> (tree nodes, expected tokens, drafting seconds) of its current step
         self.plans: dict[str, tuple[int, float, float]] = {}
         # the verifier's pass time over its rows, shared by every arm's sizing
@@ -139,6 +140,12 @@ class Router:
         if self.speculation.voting:  # voting is one more arm: the bandit learns if it pays
             out.append(Arm(VOTE_ARM, self.speculation.drafter_capacity))
         return out
+
+    def idle_arm(self, request_id: str, arm: str) -> bool:
+        """Whether the request would decode plainly on `arm` now (the selection's `idle`)."""
+        loop = self.loops.get(request_id)
+        return loop is not None and loop.sizing(arm).runs_plain(self.in_flight,
+                                                                self.batch_share(request_id))
 
     def sizing_for(self, arm: str) -> TreeSizing:
         """The tree-size policy's router-wide state of an arm (drafting costs differ per arm)."""
@@ -233,11 +240,13 @@ class Router:
                 raise ValueError(f"request {request_id} is already being generated")
             loop = _RequestLoop(self, request, request_id, prompt)
             self.live[request_id] = len(prompt)
+            self.loops[request_id] = loop
             try:
                 async for chunk in loop.run():
                     yield chunk
             finally:
                 del self.live[request_id]
+                del self.loops[request_id]
                 self.plans.pop(request_id, None)
                 if self.selection is not None:
                     self.selection.release(request_id)
@@ -354,7 +363,7 @@ class _RequestLoop:
         router = self.router
         if router.selection is None:
             return FIXED_ARM
-        return router.selection.arm_for(self.request_id, router.live)
+        return router.selection.arm_for(self.request_id, router.live, router.idle_arm)
 
     async def run(self) -> AsyncIterator[router_pb2.RouteChunk]:
         if self.speculating:  # prefill the drafter the first step will use, during step 0

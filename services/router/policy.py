@@ -290,6 +290,19 @@ class RequestSizing:
         size = self._optimum(self.profile.expected_tokens(shared.max_nodes), in_flight, others)
         return bool(size)
 
+    def runs_plain(self, in_flight: int, others: BatchShare = BatchShare()) -> bool:
+        """Whether the measured costs and this request's profile say no tree of this arm pays
+        now (the choice would be 0, probes aside). False while the costs are still being
+        bootstrapped and for fixed or Minions-length sizing, which always draft: the
+        selection does not explore an arm where the request would only decode plainly."""
+        shared = self.shared
+        if shared.max_nodes == 0:
+            return True
+        if not shared.adaptive or shared.length is not None:
+            return False
+        curve = self.profile.expected_tokens(shared.max_nodes)
+        return self._optimum(curve, in_flight, others) == 0
+
     def _neighbour(self, size: int, top: int) -> int:
         if size == 0:
             return min(OFF_PROBE_SIZE, top)
