@@ -165,9 +165,22 @@ def run_hf_methods(config: Config, prompts: list[Prompt],
 
 
 def _load_draft(config: Config, settings: Settings, dtype, target_path):
-    if config.draft.startswith("layers:"):
-        return models.load_model(target_path, dtype, num_layers=int(config.draft.split(":")[1]))
-    return models.load_model(models.resolve(config.draft, settings.cache_dir), dtype)
+    """The assistant model of a draft spec, int8 weights included (`@int8`: the same int8
+    draft the mesh runs, so the comparison is of the methods, not of the drafts)."""
+    from kernels.linear import quantize_linears
+    from services.drafter.models import DraftSpec
+
+    spec = DraftSpec.parse(config.draft)
+    if spec.weights == "int8":
+        dtype, linear = torch.float32, "torch"
+    else:
+        linear = settings.linear
+    path = target_path if spec.layers is not None else models.resolve(spec.base,
+                                                                       settings.cache_dir)
+    model = models.load_model(path, dtype, num_layers=spec.layers, linear=linear)
+    if spec.weights == "int8":
+        quantize_linears(model)
+    return model
 
 
 @torch.inference_mode()

@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common import models
 from services.common.config import Settings
 from services.common.procs import free_port, orphan_guard, pid_alive
-from services.drafter.models import draft_specs
+from services.drafter.models import DraftSpec, draft_specs
 
 START_TIMEOUT_S = 300.0
 
@@ -158,7 +158,8 @@ class Stack:
 def prepare(settings: Settings) -> None:
     """Converts the target and named drafts once, here, with a progress bar (not 2x in children),
     and builds the default datastore when the datastore drafts and none was given or built."""
-    names = [settings.model] + [s for s in draft_specs(settings) if not s.startswith("layers:")]
+    drafts = [DraftSpec.parse(s) for s in draft_specs(settings)]
+    names = [settings.model] + [d.base for d in drafts if d.layers is None]
     for name in names:
         models.resolve(name, settings.cache_dir)
     if settings.speculation.source != "model" and settings.datastore.path is None:

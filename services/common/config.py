@@ -121,8 +121,8 @@ class Settings(BaseSettings):
                             "the CPU runs the dtype, else torch")
     drafters: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
-        description="draft models: 'layers:N' (first N layers of the target) or a model name/dir; "
-                    "empty = the target's default draft")
+        description="draft models: 'layers:N' (first N layers of the target) or a model name/dir, "
+                    "optionally '@int8' (int8 weights); empty = the target's default draft")
     speculation: SpeculationSettings = Field(default_factory=SpeculationSettings)
     cache_dir: Path = Field(Path.home() / ".cache" / "specmesh", description="converted weights")
     run_dir: Path | None = Field(None, description="state and logs of `specmesh up` "
