@@ -267,6 +267,19 @@ def test_records_every_step_and_skips_the_prefill_time():
     assert len(request.decisions) == 2
 
 
+def test_a_drafter_prefill_wait_is_recorded_but_not_learnt_as_step_time():
+    """The first step on a draft model waits for the drafter's prefill of the request (a
+    switching cost): the record keeps the wall time and the wait, the step-time model learns
+    the step without it."""
+    sizing = TreeSizing(max_nodes=8, max_depth=4)
+    request = sizing.for_request()
+    record = request.observe(1, StepChoice(4, 2.5), chain(4), [100, 101, 9], 0.640, 1,
+                             ["m"], switch_seconds=0.400)
+    assert record.seconds == pytest.approx(0.640)
+    assert record.switch_seconds == pytest.approx(0.400)
+    assert sizing.time_model(1)._perf == {4: pytest.approx(0.240)}
+
+
 def test_length_mode_follows_the_minions_selector():
     """mode="length": every request drafts the arm's s, which moves with the slope of
     step time / emitted tokens (here: longer is always better, so s climbs to its maximum)."""

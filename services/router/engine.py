@@ -352,6 +352,7 @@ class _RequestLoop:
         self.lookup_reset = True  # the next lookup sends the whole context
         self.vote: Vote | None = None  # this step's vote, when voting
         self.draft_seconds = 0.0  # drafters' time for this step's tree
+        self.switch_seconds = 0.0  # of this step, the wait for a drafter prefill (a switch)
 
     def sizing(self, arm: str) -> RequestSizing:
         if arm not in self.sizings:
@@ -376,7 +377,7 @@ class _RequestLoop:
             choice = (self.sizing(arm).choose(in_flight, self.router.batch_share(self.request_id))
                       if arm else StepChoice(0, 1.0))
             self.router.plans[self.request_id] = (choice.budget, choice.expected_length, 0.0)
-            self.draft_seconds = 0.0
+            self.draft_seconds = self.switch_seconds = 0.0
             if choice.budget > 0:
                 await self.router.wait_for_room()
                 tree_pb = await self._draft(arm, choice.budget)
@@ -400,9 +401,11 @@ class _RequestLoop:
                         if result.batch_trees else None)
             self.decisions.append(sizing.observe(
                 step, choice, tree, emitted, seconds, in_flight, drafters, arm or "", verified,
-                self.draft_seconds))
+                self.draft_seconds, self.switch_seconds))
             if arm and self.router.selection is not None:
-                self.router.selection.observe(self.request_id, arm, len(emitted), seconds)
+                # SPIN's goodput is the drafter's rate; the switch is a cost of its own (LBSS)
+                self.router.selection.observe(self.request_id, arm, len(emitted),
+                                              max(seconds - self.switch_seconds, 1e-6))
             if self.vote is not None:
                 self.router.observe_vote(self.vote, emitted)
                 self.vote = None
@@ -521,7 +524,9 @@ class _RequestLoop:
     async def _draft_model(self, name: str, budget: int) -> common_pb2.TokenTree:
         sync = self.syncs[name]
         if sync.prefill_task is not None:
+            waited = time.perf_counter()
             ok = await sync.prefill_task
+            self.switch_seconds = max(self.switch_seconds, time.perf_counter() - waited)
             sync.prefill_task = None
             if not ok:  # retry with the whole context next step
                 self._resync(name)

@@ -312,32 +312,38 @@ class RequestSizing:
 
     def observe(self, step: int, choice: StepChoice, tree: TokenTree, emitted: list[int],
                 seconds: float, in_flight: int, drafters: list[str], arm: str = "",
-                verify: VerifyStep | None = None, draft_seconds: float = 0.0
-                ) -> common_pb2.StepDecision:
+                verify: VerifyStep | None = None, draft_seconds: float = 0.0,
+                switch_seconds: float = 0.0) -> common_pb2.StepDecision:
         """One finished step: updates the models and records the decision. `verify`: the
-        verifier's pass the tree was in; `draft_seconds`: the drafters' time for this tree.
+        verifier's pass the tree was in; `draft_seconds`: the drafters' time for this tree;
+        `switch_seconds`: of `seconds`, the wait for a drafter's prefill of this request (its
+        first step on that drafter): the step-time model learns the step without it, or the
+        one step that paid for a switch would price the arm's trees at a prefill (a 0.5B
+        draft's first step on a 300-token chat: 640 ms against 270 ms for its later steps, and
+        the arm was never drafted on again).
 
         The models skip the request's prefill step and passes that also prefilled another
         request: their time is a prefill's, whatever the trees' sizes (with requests arriving
         together such steps are most of what the small concurrency buckets see; they fitted
         T(0) at several times a decoding step)."""
         shared = self.shared
+        step_seconds = max(seconds - switch_seconds, 0.0)
         if step > 0:
             if verify is None or not verify.prefilled:
-                shared.time_model(bucket_of(in_flight)).observe(len(tree), seconds)
+                shared.time_model(bucket_of(in_flight)).observe(len(tree), step_seconds)
                 if verify is not None and shared.verify_times is not None:
                     shared.verify_times.observe_pass(verify)
             if choice.budget > 0 and draft_seconds > 0:
                 shared.draft_times.observe(choice.budget, draft_seconds)
                 shared.bootstrap_until = 0  # a bootstrap draft came back
             if shared.length is not None and choice.budget > 0:
-                shared.length.observe(seconds, [len(emitted) - 1])
+                shared.length.observe(step_seconds, [len(emitted) - 1])
             if len(tree):
                 self.profile.observe_tree(tree, emitted)
                 shared.prior.observe_tree(tree, emitted)
         record = common_pb2.StepDecision(
             step=step, budget=choice.budget, tree_size=len(tree),
             expected_length=choice.expected_length, emitted=len(emitted), seconds=seconds,
-            drafters=drafters, probe=choice.probe, arm=arm)
+            drafters=drafters, probe=choice.probe, arm=arm, switch_seconds=switch_seconds)
         self.decisions.append(record)
         return record
