@@ -136,13 +136,15 @@ def row(result: MethodResult, plain: MethodResult, prompts: list[Prompt], c: int
 def run(config: Config, drafts: tuple[str, str], levels: list[int], nodes: int,
         compute: Executor, methods: list[str] | None,
         hf_methods: tuple[str, ...] = ("plain", "hf-assisted", "hf-prompt-lookup"),
-        save=lambda report: None) -> dict:
+        save=lambda report: None, min_probability: float = 0.6) -> dict:
     """`save(report)` is called after every method: a long run interrupted keeps what it did."""
     settings = Settings(model=config.model, dtype=config.dtype).with_overrides(**{
-        "speculation.depth": config.depth, "speculation.width": config.width})
+        "speculation.depth": config.depth, "speculation.width": config.width,
+        "speculation.min_probability": min_probability})
     tokenizer = models.load_tokenizer(models.resolve(config.model, settings.cache_dir))
     prompts = load_prompts(config, tokenizer)
     report = {"config": asdict(config), "drafts": list(drafts), "nodes": nodes,
+              "min_probability": min_probability,
               "prompts": [p.name for p in prompts], "levels": {}}
     hf = compute.submit(run_hf_methods, replace(config, draft=drafts[0]), prompts,
                         ("plain", *[m for m in hf_methods if m != "plain"]), 10).result()
@@ -167,7 +169,8 @@ def run(config: Config, drafts: tuple[str, str], levels: list[int], nodes: int,
 def markdown(report: dict) -> str:
     c = report["config"]
     lines = [f"### {c['model']} target, {c['dtype']}, drafts {', '.join(report['drafts'])} + "
-             f"the datastore, depth {c['depth']}, {report['nodes']} nodes, "
+             f"the datastore, depth {c['depth']} (stop below p "
+             f"{report.get('min_probability', 0)}), {report['nodes']} nodes, "
              f"{len(report['prompts'])} prompts x {c['max_tokens']} tokens"]
     for level, rows in report["levels"].items():
         classes = sorted({k for r in rows for k in r["classes"]})
@@ -201,7 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mtbench", type=int, default=16, help="MT-Bench questions [16]")
     parser.add_argument("--humaneval", type=int, default=8, help="HumanEval problems [8]")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--depth", type=int, default=4, help="draft depth [4]")
+    parser.add_argument("--depth", type=int, default=8, help="most draft levels [8]; draft "
+                        "models stop earlier where unsure (--min-probability)")
+    parser.add_argument("--min-probability", type=float, default=0.6,
+                        help="draft models' confidence stop (speculation.min_probability) [0.6]")
     parser.add_argument("--nodes", type=int, default=12, help="node budget per step [12]")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8],
                         help="requests in flight [1 8]")
@@ -237,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
             (RESULTS / f"{name}.json").write_text(json.dumps(full, indent=2))
             (RESULTS / f"{name}.md").write_text(markdown(full))
     save(run(config, drafts, args.concurrency, args.nodes, compute, args.methods,
-             tuple(m for m in args.hf_methods if m != "none"), save), final=True)
+             tuple(m for m in args.hf_methods if m != "none"), save, args.min_probability),
+         final=True)
     compute.shutdown()
     return 0
 

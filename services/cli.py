@@ -39,6 +39,9 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                         "CPU, the output unchanged); repeatable [default: the target's preset]")
     g.add_argument("--depth", type=int, help="speculation length: draft tokens per path [3]")
     g.add_argument("--width", type=int, help="tree width: nodes kept per level, 1 = chain [1]")
+    g.add_argument("--min-probability", type=float, metavar="P",
+                   help="draft models stop deepening the tree below a level whose likeliest "
+                        "node they give less than P (0 = always the full depth) [0.6]")
     g.add_argument("--speculate", dest="source", choices=["model", "datastore", "both"],
                    help="who drafts: the draft model, the lookup datastore (SSSD, needs "
                         "`specmesh datastore build`), or both merged [model]")
@@ -113,6 +116,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         drafter_address=get("drafter_address"),
         datastore_address=get("datastore_address"),
         **{"speculation.depth": get("depth"), "speculation.width": get("width"),
+           "speculation.min_probability": get("min_probability"),
            "speculation.source": get("source"), "speculation.max_nodes": get("max_nodes"),
            "speculation.tree_size": get("tree_size"),
            "speculation.selection": get("selection"),

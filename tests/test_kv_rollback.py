@@ -181,3 +181,26 @@ def test_measuring_the_drafting_cost_leaves_no_request_behind(draft, chat_prompt
     assert state.tokens == prompt + [before.tokens[0], 7]
     assert_same_cache(draft.lm, state.cache, state.tokens[:-1])
     draft.release("m")
+
+
+def test_drafting_stops_below_an_unsure_level_and_rolls_back_as_usual(draft, chat_prompt_ids):
+    """min_probability: the tree ends at the first level whose likeliest node the draft gives
+    less than it (that level kept); its probabilities are the full-depth tree's, the tree is
+    its prefix, and rollback after it leaves the cache a fresh prefill's."""
+    prompt = chat_prompt_ids(3)
+    draft.prefill("full", prompt)
+    full, _ = draft.draft("full", [], depth=12, width=1)
+    probs = torch.tensor(full.scores).diff(prepend=torch.zeros(1)).exp().tolist()
+    threshold = sorted(probs[:-1])[len(probs) // 2]  # some level falls below it
+    stop = next(i for i, p in enumerate(probs) if p < threshold)
+    draft.prefill("sure", prompt)
+    tree, _ = draft.draft("sure", [], depth=12, width=1, min_probability=threshold)
+    assert list(tree.tokens) == list(full.tokens[:stop + 1])
+    draft.prefill("zero", prompt)
+    assert draft.draft("zero", [], depth=12, width=1, min_probability=0.0)[0].tokens == full.tokens
+    accepted = list(tree.tokens[:1])
+    draft.draft("sure", accepted + [7], depth=0, width=1)
+    state = draft.requests["sure"]
+    assert_same_cache(draft.lm, state.cache, state.tokens[:-1])
+    with pytest.raises(ValueError, match="min_probability"):
+        draft.draft("sure", [], depth=2, width=1, min_probability=1.0)

@@ -267,6 +267,16 @@ def test_records_every_step_and_skips_the_prefill_time():
     assert len(request.decisions) == 2
 
 
+def test_an_arms_prior_learns_from_a_few_requests():
+    """The arm's prior starts as a guess worth `prior_weight` observations: after ten trees
+    of an arm the target never followed, a new request expects little of the arm."""
+    sizing = TreeSizing(max_nodes=4, max_depth=4, probe_every=0)
+    assert sizing.for_request().profile.expected_tokens(1)[1] == pytest.approx(1.5)
+    for step in range(1, 11):
+        sizing.for_request().observe(step, StepChoice(4, 2.0), chain(4), [7], 0.2, 1, ["m"])
+    assert sizing.for_request().profile.expected_tokens(1)[1] < 1.2
+
+
 def test_a_drafter_prefill_wait_is_recorded_but_not_learnt_as_step_time():
     """The first step on a draft model waits for the drafter's prefill of the request (a
     switching cost): the record keeps the wall time and the wait, the step-time model learns

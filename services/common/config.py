@@ -22,6 +22,10 @@ class SpeculationSettings(BaseModel):
 
     depth: int = Field(3, ge=0, le=64, description="draft tokens per path (0 = plain decoding)")
     width: int = Field(1, ge=1, le=64, description="nodes kept per depth level (1 = chain)")
+    min_probability: float = Field(
+        0.6, ge=0, lt=1, description="draft models stop below the first level whose likeliest "
+                                     "node they give less than this probability (HF assisted "
+                                     "generation's confidence threshold; 0 = full depth)")
     source: Literal["model", "datastore", "both"] = Field(
         "model", description="who drafts: the draft model(s), the lookup datastore (SSSD), or "
                              "both merged into one tree")

@@ -8,12 +8,18 @@ the accepted path are gathered behind the committed rows and the rest dropped (K
 
 Tree shape: `depth` levels of at most `width` nodes; each level keeps the `width` best children
 (by cumulative draft log-probability) of the previous level's nodes. width 1 is a greedy chain.
+With `min_probability` the tree stops growing below the first level whose likeliest node has a
+draft probability (given its parent) under it (that level is kept): each level costs a draft
+forward, and below an unsure guess the target rarely follows. This is Hugging Face assisted
+generation's `assistant_confidence_threshold` (0.4 there), applied to trees; it lets a router
+ask for deep trees without paying for deep drafting where the draft is lost.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -33,6 +39,16 @@ class DraftState:
     @property
     def pending(self) -> list[int]:
         return self.tokens[self.rows:-1]
+
+
+class DraftJob(NamedTuple):
+    """One request's drafting work in `DraftModel.draft_many`."""
+
+    request_id: str
+    new_tokens: list[int]  # committed since the last call: accepted tokens + bonus
+    depth: int
+    width: int
+    min_probability: float = 0.0  # stop below a level this unsure (module docstring)
 
 
 class DraftModel:
@@ -73,32 +89,36 @@ class DraftModel:
     def release(self, request_id: str) -> bool:
         return self.requests.pop(request_id, None) is not None
 
-    def draft(self, request_id: str, new_tokens: list[int], depth: int, width: int
-              ) -> tuple[TokenTree, float]:
+    def draft(self, request_id: str, new_tokens: list[int], depth: int, width: int,
+              min_probability: float = 0.0) -> tuple[TokenTree, float]:
         """Commits `new_tokens`, then drafts a tree below the new root; returns it and seconds."""
-        return self.draft_many([(request_id, new_tokens, depth, width)])[0]
+        return self.draft_many([DraftJob(request_id, new_tokens, depth, width,
+                                         min_probability)])[0]
 
-    def draft_many(self, items: Sequence[tuple[str, list[int], int, int]]
-                   ) -> list[tuple[TokenTree, float]]:
-        """`draft` for several requests (request_id, new_tokens, depth, width) at once: their
+    def draft_many(self, items: Sequence[DraftJob | tuple]) -> list[tuple[TokenTree, float]]:
+        """`draft` for several requests (DraftJobs, or tuples of their fields) at once: their
         forwards run level by level as ONE forward per level (`CausalLM.forward_many`), so the
         weights are read once for all of them. Every item is checked before any is committed.
         Seconds per item: the batch's time divided by its items (its share of the drafter)."""
         start = time.perf_counter()
-        if len({item[0] for item in items}) < len(items):  # a request twice: one after the other
+        items = [DraftJob(*item) for item in items]
+        if len({item.request_id for item in items}) < len(items):  # a request twice: in turn
             return [self.draft_many([item])[0] for item in items]
+        for item in items:
+            if not 0.0 <= item.min_probability < 1.0:
+                raise ValueError(f"min_probability must be in [0, 1), got {item.min_probability}")
         states = []
-        for request_id, new_tokens, _, _ in items:
+        for request_id, new_tokens, *_ in items:
             state = self.requests.get(request_id)
             if state is None:
                 raise KeyError(f"request {request_id} is not prefilled on drafter {self.name}")
             self._check_vocab(new_tokens)
             states.append(state)
         runs: list[Generator[Part, torch.Tensor, TokenTree]] = []
-        for state, (_, new_tokens, depth, width) in zip(states, items):
-            self.commit(state, new_tokens)
-            runs.append(self._grow(state, depth, max(1, width)) if depth > 0
-                        else self._catch_up(state))
+        for state, item in zip(states, items):
+            self.commit(state, item.new_tokens)
+            runs.append(self._grow(state, item.depth, max(1, item.width), item.min_probability)
+                        if item.depth > 0 else self._catch_up(state))
         trees: list[TokenTree | None] = [None] * len(runs)
         asks: dict[int, Part] = {}
         for i, run in enumerate(runs):
@@ -156,7 +176,7 @@ class DraftModel:
         return TokenTree()
 
     # drafting ---------------------------------------------------------------------------------
-    def _grow(self, state: DraftState, depth: int, width: int
+    def _grow(self, state: DraftState, depth: int, width: int, min_probability: float = 0.0
               ) -> Generator[Part, torch.Tensor, TokenTree]:
         state.cache.truncate(state.rows)  # drops speculative rows of a tree never committed
         state.node_rows = {}
@@ -172,7 +192,8 @@ class DraftModel:
         frontier: list[int] = [-1]  # node indices whose logits are in `logits`, root = -1
         frontier_scores = torch.zeros(1)
         for level in range(1, depth + 1):
-            logp = torch.log_softmax(logits, dim=-1) + frontier_scores[:, None]  # [F, V]
+            own = torch.log_softmax(logits, dim=-1)  # [F, V] given each frontier node
+            logp = own + frontier_scores[:, None]
             k = min(width, logp.shape[-1])
             best, flat = torch.topk(logp.flatten(), k)
             new_nodes = []
@@ -184,6 +205,11 @@ class DraftModel:
                 new_nodes.append(len(tokens) - 1)
             if level == depth:
                 break
+            if min_probability > 0:
+                # the likeliest node of the level (cumulative score), given its parent
+                slot, token = divmod(int(flat[0]), logp.shape[-1])
+                if float(own[slot, token].exp()) < min_probability:
+                    break
             logits = yield self._expand(state, tokens, parents, new_nodes, root_pos + level)
             frontier, frontier_scores = new_nodes, best
         tree = TokenTree(tuple(tokens), tuple(parents), tuple(scores), (0,) * len(tokens),

@@ -5,7 +5,7 @@ import asyncio
 from concurrent.futures import Executor
 
 from services.common.rpc import rpc_errors
-from services.drafter.engine import DraftModel
+from services.drafter.engine import DraftJob, DraftModel
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
 
 SERVICE_NAME = "specmesh.v1.Drafter"
@@ -53,8 +53,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             groups.setdefault(self._model(item.drafter).name, []).append(i)
         out: list = [None] * len(request.items)
         for name, indices in groups.items():
-            work = [(request.items[i].request_id, list(request.items[i].new_tokens),
-                     request.items[i].depth, request.items[i].width) for i in indices]
+            work = [DraftJob(request.items[i].request_id, list(request.items[i].new_tokens),
+                             request.items[i].depth, request.items[i].width,
+                             request.items[i].min_probability) for i in indices]
             for i, result in zip(indices, await self._run(self.models[name].draft_many, work)):
                 out[i] = result
         response = drafter_pb2.DraftBatchResponse()

@@ -535,7 +535,8 @@ class _RequestLoop:
         # a budget below the depth needs no deeper draft (wider trees are pruned afterwards)
         depth = min(spec.depth, budget) if spec.tree_size != "fixed" else spec.depth
         item = drafter_pb2.DraftItem(request_id=self.request_id, drafter=name,
-                                     new_tokens=sync.new_tokens, depth=depth, width=spec.width)
+                                     new_tokens=sync.new_tokens, depth=depth, width=spec.width,
+                                     min_probability=spec.min_probability)
         try:
             tree, seconds = await self.router.drafts.submit_timed(
                 item, self.router.settings.step_timeout_s)

@@ -164,8 +164,13 @@ class TreeSizing:
             time_alpha=base.time_alpha, age_decay=base.age_decay, prob_alpha=base.prob_alpha,
             prior_top1=base.prior_top1, default_size=min(base.default_size, max_nodes),
             context_tolerance=base.context_tolerance, prior_weight=base.prior_weight)
+        # the arm's prior counts as `prior_weight` observations, like a request's start: its
+        # initial P (prior_top1) is a guess, not 1 / alpha = 20 observations (a layer-truncated
+        # draft that the target never followed still promised 1.5-2 tokens per step after
+        # 10 of its trees had all failed, and every new request tried it again)
         self.prior = AcceptanceProfile(self.config.max_depth, self.config.max_rank,
-                                       self.config.prob_alpha, self.config.prior_top1)
+                                       self.config.prob_alpha, self.config.prior_top1
+                                       ).fresh(self.config.prior_weight)
         self.times: dict[int, StepTimeModel] = {}
         self.verify_times = verify_times
         # drafter seconds of one request's tree as a function of its budget (0 for budget 0)
