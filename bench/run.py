@@ -133,7 +133,7 @@ def run_hf_methods(config: Config, prompts: list[Prompt],
     settings = Settings(model=config.model, dtype=config.dtype)
     path = models.resolve(config.model, settings.cache_dir)
     target = models.load_model(path, dtype)
-    draft = _load_draft(config, settings, dtype, path) if "hf-assisted" in methods else None
+    draft = _load_draft(config, settings, path) if "hf-assisted" in methods else None
     forwards = [0]
     hook = target.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     pad = models.load_tokenizer(path).eos_token_id
@@ -164,23 +164,12 @@ def run_hf_methods(config: Config, prompts: list[Prompt],
     return results
 
 
-def _load_draft(config: Config, settings: Settings, dtype, target_path):
+def _load_draft(config: Config, settings: Settings, target_path):
     """The assistant model of a draft spec, int8 weights included (`@int8`: the same int8
     draft the mesh runs, so the comparison is of the methods, not of the drafts)."""
-    from kernels.linear import quantize_linears
-    from services.drafter.models import DraftSpec
+    from services.drafter.models import DraftSpec, load_draft
 
-    spec = DraftSpec.parse(config.draft)
-    if spec.weights == "int8":
-        dtype, linear = torch.float32, "torch"
-    else:
-        linear = settings.linear
-    path = target_path if spec.layers is not None else models.resolve(spec.base,
-                                                                       settings.cache_dir)
-    model = models.load_model(path, dtype, num_layers=spec.layers, linear=linear)
-    if spec.weights == "int8":
-        quantize_linears(model)
-    return model
+    return load_draft(DraftSpec.parse(config.draft), settings, target_path)
 
 
 @torch.inference_mode()

@@ -19,6 +19,7 @@ from services.datastore.server import build_engine, start
 from services.embedded import EmbeddedMesh
 from services.router.server import check_datastore
 from specmesh.v1 import datastore_pb2, datastore_pb2_grpc
+from test_lossless_greedy import assert_target_tokens  # noqa: E402  (tests/ is on the path)
 
 NUM_QUESTIONS = 20
 MAX_TOKENS = 64
@@ -157,9 +158,7 @@ def test_datastore_only_greedy_equals_target_generate(base_settings, small_datas
             assert mesh.datastore.engine.requests == {}, "indexes dropped at completion"
             return outputs
     outputs = asyncio.run(run())
-    mismatches = [i for i, (out, ref) in enumerate(zip(outputs, hf_greedy_reference))
-                  if list(out.token_ids) != ref]
-    assert not mismatches, f"{len(mismatches)}/{NUM_QUESTIONS} differ from the target: {mismatches}"
+    assert_target_tokens(outputs, hf_greedy_reference)
     drafted = sum(o.stats.draft_tokens for o in outputs)
     accepted = sum(o.stats.accepted_tokens for o in outputs)
     print(f"datastore drafted {drafted}, accepted {accepted}")

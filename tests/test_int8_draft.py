@@ -13,7 +13,7 @@ from kernels.linear import Int8Linear, PackedLinear, int8_supports, quantize_lin
 from services.drafter.engine import DraftModel
 from services.drafter.models import DraftSpec, build_draft_models
 from services.embedded import EmbeddedMesh
-from test_lossless_greedy import generate_all  # noqa: E402  (tests/ is on the path)
+from test_lossless_greedy import assert_target_tokens, generate_all  # noqa: E402
 
 pytestmark = pytest.mark.skipif(int8_supports() is not None,
                                 reason=f"no int8 kernels here: {int8_supports()}")
@@ -115,9 +115,7 @@ def test_int8_draft_greedy_equals_target_generate(base_settings, questions, hf_g
         async with EmbeddedMesh.start(settings, compute) as mesh:
             return await generate_all(mesh, questions[:8], concurrency=4)
     responses = asyncio.run(run())
-    mismatches = [i for i, (r, ref) in enumerate(zip(responses, hf_greedy_reference))
-                  if list(r.token_ids) != ref]
-    assert not mismatches, f"{len(mismatches)}/8 differ from the target: {mismatches}"
+    assert_target_tokens(responses, hf_greedy_reference)
     drafted = sum(r.stats.draft_tokens for r in responses)
     accepted = sum(r.stats.accepted_tokens for r in responses)
     assert drafted > 0 and accepted > 0.3 * drafted, (accepted, drafted)

@@ -23,6 +23,7 @@ from services.common.procs import free_port
 from services.stack import Stack
 from specmesh import AsyncClient, Client, InvalidRequest
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from test_lossless_greedy import assert_target_tokens  # noqa: E402  (tests/ is on the path)
 
 NUM_QUESTIONS = 8  # lossless on 20 is tested embedded (test_lossless_greedy); here: the wire
 MAX_TOKENS = 64
@@ -71,9 +72,7 @@ def test_multiprocess_greedy_equals_target_generate(stack, questions, hf_greedy_
                                              max_tokens=MAX_TOKENS)
             return await asyncio.gather(*(one(q) for q in questions[:NUM_QUESTIONS]))
     outputs = asyncio.run(run())
-    mismatches = [i for i, (out, ref) in enumerate(zip(outputs, hf_greedy_reference))
-                  if out.token_ids != ref]
-    assert not mismatches, f"{len(mismatches)}/{NUM_QUESTIONS} differ from the target: {mismatches}"
+    assert_target_tokens(outputs, hf_greedy_reference)
     assert sum(o.stats.accepted_tokens for o in outputs) > 0
     # every step's decision reaches the client through the gateway and the SDK
     assert all(len(o.stats.decisions) == o.stats.steps > 0 for o in outputs)

@@ -59,19 +59,30 @@ class DraftSpec:
         return cls(base, weights or None, layers)
 
 
+def load_draft(spec: DraftSpec, settings: Settings, target_path):
+    """The transformers model of a draft spec, in the configured dtype or with int8 weights
+    (float32 activations: FBGEMM's dynamic int8 product). No tokenizer check (the caller's)."""
+    if spec.weights == "int8":
+        dtype, linear = torch.float32, "torch"
+    else:
+        dtype, linear = models.resolve_dtype(settings.dtype), settings.linear
+    path = target_path if spec.layers is not None else models.resolve(spec.base,
+                                                                       settings.cache_dir)
+    model = models.load_model(path, dtype, num_layers=spec.layers, linear=linear)
+    if spec.weights == "int8":
+        quantize_linears(model)
+    return model
+
+
 def build_draft_models(settings: Settings) -> list[DraftModel]:
-    configured = models.resolve_dtype(settings.dtype)
     target_path = models.resolve(settings.model, settings.cache_dir)
     target_vocab = None
     out = []
     for name in draft_specs(settings):
         spec = DraftSpec.parse(name)
-        # int8 weights run float32 activations (FBGEMM's dynamic int8 product)
-        dtype, linear = ((torch.float32, "torch") if spec.weights == "int8"
-                         else (configured, settings.linear))
+        label = name
         if spec.layers is not None:
-            model = models.load_model(target_path, dtype, num_layers=spec.layers, linear=linear)
-            kind = "truncated"
+            label = f"{settings.model}:layers={spec.layers}" + name[len(spec.base):]
         else:
             path = models.resolve(spec.base, settings.cache_dir)
             if target_vocab is None:
@@ -79,16 +90,9 @@ def build_draft_models(settings: Settings) -> list[DraftModel]:
             if models.load_tokenizer(path).get_vocab() != target_vocab:
                 raise ValueError(f"draft model '{spec.base}' does not share the tokenizer of the "
                                  f"target '{settings.model}': drafts must use the same token ids")
-            model = models.load_model(path, dtype, linear=linear)
-            kind = "model"
-        if spec.weights == "int8":
-            quantize_linears(model)
-        label = name
-        if spec.layers is not None:
-            label = f"{settings.model}:layers={spec.layers}" + name[len(spec.base):]
-        lm = CausalLM(model, label)
-        out.append(DraftModel(lm, label, kind))
+        lm = CausalLM(load_draft(spec, settings, target_path), label)
+        out.append(DraftModel(lm, label, "truncated" if spec.layers is not None else "model"))
         out[-1].measure()
         log.info("draft model %s: %d layers, %s, %.1f ms per drafting forward", out[-1].name,
-                 out[-1].lm.num_layers, spec.weights or dtype, 1e3 * out[-1].level_seconds)
+                 out[-1].lm.num_layers, spec.weights or lm.dtype, 1e3 * out[-1].level_seconds)
     return out

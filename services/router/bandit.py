@@ -249,10 +249,10 @@ class LBSS:
         out: dict[Hashable, Placement | None] = {}
         dropped = []
         for rid in order:
+            live = self._not_idle(rid, self.drafters)
             want = draws.get(rid)
-            if want is None or want.drafter not in {
-                    d.name for d in self._not_idle(rid, self.drafters)}:  # idle since the draw
-                want = self._draw(rid)
+            if want is None or want.drafter not in {d.name for d in live}:  # or idle since
+                want = self._draw(rid, live[self._rng.integers(len(live))])
             out[rid] = self._fit(want, load)
             if out[rid] is None:
                 dropped.append(rid)
