@@ -35,8 +35,9 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                    help="weights dtype; auto = bfloat16 where the CPU/GPU runs it natively")
     g.add_argument("--draft", action="append", dest="drafters", metavar="SPEC",
                    help="draft model: layers:N (the target's first N layers) or a model name/dir, "
-                        "optionally with @int8 (int8 weights: about half the drafting time on a "
-                        "CPU, the output unchanged); repeatable [default: the target's preset]")
+                        "optionally with @int8 or @int4 (quantized weights: about half the "
+                        "drafting time on a CPU, the output unchanged); repeatable [default: "
+                        "the target's preset]")
     g.add_argument("--depth", type=int, help="speculation length: draft tokens per path [3]")
     g.add_argument("--width", type=int, help="tree width: nodes kept per level, 1 = chain [1]")
     g.add_argument("--min-probability", type=float, metavar="P",

@@ -126,7 +126,8 @@ class Settings(BaseSettings):
     drafters: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="draft models: 'layers:N' (first N layers of the target) or a model name/dir, "
-                    "optionally '@int8' (int8 weights); empty = the target's default draft")
+                    "optionally '@int8' or '@int4' (quantized weights); empty = the target's "
+                    "default draft")
     speculation: SpeculationSettings = Field(default_factory=SpeculationSettings)
     cache_dir: Path = Field(Path.home() / ".cache" / "specmesh", description="converted weights")
     run_dir: Path | None = Field(None, description="state and logs of `specmesh up` "

@@ -2,10 +2,12 @@
 
 A spec is `layers:N` (the target's first N layers + its final norm and LM head: works for any
 target) or a model name / local HF directory sharing the target's tokenizer, optionally followed
-by `@int8`: the draft runs with int8 weights and float32 activations (kernels/linear.py,
-`quantize_linears`), about half the time per drafting forward of bf16 weights on a CPU, for
-nearly the same guesses. The spec, suffix included, is the draft's name (a router arm): the same
-model with and without `@int8` is two drafters of different cost.
+by `@int8` or `@int4`: the draft runs with int8 weights (FBGEMM, dynamically quantized
+activations) or 4-bit weights in groups of 32 (torch's CPU int4 kernel), float32 around them
+(kernels/linear.py, `quantize_linears`): about half the time per drafting forward of bf16 weights
+on a CPU. int4 guesses nearly as well as float32 (int8's activation rounding costs more: see
+kernels/linear.py). The spec, suffix included, is the draft's name (a router arm): the same
+model with and without `@int4` is two drafters of different cost.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ def draft_specs(settings: Settings) -> list[str]:
     return [source.default_draft if source else "layers:8"]
 
 
-WEIGHTS = ("int8",)  # what may follow '@' in a spec
+WEIGHTS = ("int8", "int4")  # what may follow '@' in a spec
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,7 @@ class DraftSpec:
     """A parsed draft spec: `base` (layers:N or a model name/dir) and its weights."""
 
     base: str
-    weights: str | None = None  # None: the configured dtype; "int8"
+    weights: str | None = None  # None: the configured dtype; "int8" | "int4"
     layers: int | None = None  # layers:N
 
     @classmethod
@@ -60,17 +62,17 @@ class DraftSpec:
 
 
 def load_draft(spec: DraftSpec, settings: Settings, target_path):
-    """The transformers model of a draft spec, in the configured dtype or with int8 weights
-    (float32 activations: FBGEMM's dynamic int8 product). No tokenizer check (the caller's)."""
-    if spec.weights == "int8":
+    """The transformers model of a draft spec, in the configured dtype or with int8 / int4
+    weights (a float32 model whose linears are quantized). No tokenizer check (the caller's)."""
+    if spec.weights in WEIGHTS:
         dtype, linear = torch.float32, "torch"
     else:
         dtype, linear = models.resolve_dtype(settings.dtype), settings.linear
     path = target_path if spec.layers is not None else models.resolve(spec.base,
                                                                        settings.cache_dir)
     model = models.load_model(path, dtype, num_layers=spec.layers, linear=linear)
-    if spec.weights == "int8":
-        quantize_linears(model)
+    if spec.weights in WEIGHTS:
+        quantize_linears(model, spec.weights)
     return model
 
 
