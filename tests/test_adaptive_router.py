@@ -67,3 +67,28 @@ def test_lossless_with_every_mechanism_on(base_settings, small_datastore, questi
     accepted = sum(o.stats.accepted_tokens for o in outputs)
     print(f"budgets {sorted(budgets)}, drafted {drafted}, accepted {accepted}")
     assert accepted > 0
+
+
+def test_a_confidence_stopped_chain_is_asked_for_its_whole_depth(base_settings, questions,
+                                                                  hf_greedy_reference, compute):
+    """One draft model's chain under a confidence stop sizes itself: whenever ProPD drafts, the
+    budget is the configured depth (the drafter stops where it is unsure), never a shorter
+    chain; ProPD still turns steps off (budget 0). Outputs stay the target's. (The stop itself:
+    test_kv_rollback.py.)"""
+    depth = 5
+    settings = base_settings.with_overrides(drafters=["layers:16"], **{
+        "speculation.source": "model", "speculation.depth": depth, "speculation.max_nodes": 12,
+        "speculation.tree_size": "adaptive", "speculation.min_probability": 0.3})
+
+    async def run():
+        async with EmbeddedMesh.start(settings, compute) as mesh:
+            return [await mesh.generate(messages=[{"role": "user", "content": q["turns"][0]}],
+                                        max_tokens=MAX_TOKENS) for q in questions[:3]]
+    outputs = asyncio.run(run())
+    assert_target_tokens(outputs, hf_greedy_reference, MAX_TOKENS)
+    budgets = set()
+    for out in outputs:
+        for d in list(out.stats.decisions)[1:]:
+            budgets.add(d.budget)
+            assert d.tree_size <= d.budget
+    assert budgets <= {0, depth} and depth in budgets, budgets

@@ -11,7 +11,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from services.router.bandit import LBSS, DrafterSpec, Placement
+from services.router.bandit import LBSS, DrafterSpec, Estimate, Placement
 
 # drafters of several kinds; "lookup" has two instances of one batch slot each
 DRAFTERS = [
@@ -247,7 +247,9 @@ def test_likely_destination_without_capacity_contention_is_the_papers_argmax():
     lbss.assign(IDS)
     lbss.next_slot()                                   # last exploration slot
     lbss.assign(IDS)
-    switch_free = {rid: NAMES[int(np.argmax(TRUE[i]))] for i, rid in enumerate(IDS)}
+    # argmax_j g~[i, j]: the estimates (deviation 4 pulls each toward its drafter's mean)
+    est = lbss.estimates()
+    switch_free = {rid: max(NAMES, key=lambda name: est[rid][name].goodput) for rid in IDS}
     assert {rid: p.drafter for rid, p in lbss.likely_destinations().items()} == switch_free
 
 
@@ -285,6 +287,82 @@ def test_exploration_skips_drafters_the_request_would_only_decode_plainly_on():
     lbss.next_slot()
     assert lbss.stage == "exploit"
     assert lbss.assign(["r0"], idle=lambda rid, d: d == "lookup")["r0"].drafter == "lookup"
+
+
+def test_a_pair_seen_once_is_pulled_toward_its_drafters_mean():
+    """Deviation 4: the drafter's pooled mean counts as `prior_weight` observations of each
+    pair; with prior_weight=0 the estimate is the raw mean, as the paper's."""
+    drafters = [DrafterSpec("a", capacity=4), DrafterSpec("b", capacity=4)]
+    for weight, expected in ((2.0, (30 + 2 * 15) / 3), (0.0, 30.0)):
+        lbss = LBSS(drafters, prior_weight=weight)
+        for rid, g in (("x", 10.0), ("y", 5.0)):  # b's pooled mean: (10 + 5 + 30) / 3 = 15
+            lbss.observe(rid, "b", g, 1.0)
+        lbss.observe("lucky", "b", 30.0, 1.0)
+        assert lbss.estimates()["lucky"]["b"].goodput == pytest.approx(expected)
+        assert lbss.estimates()["lucky"]["a"] == Estimate(0.0, 0)  # never observed anywhere
+    with pytest.raises(ValueError, match="prior_weight"):
+        LBSS(drafters, prior_weight=-1)
+
+
+def test_goodput_is_tokens_over_seconds_not_a_mean_of_step_rates():
+    """Deviation 10: steps of different length weigh by their length (a 9-token 0.25 s step
+    and a 1-token 0.1 s step: 10 / 0.35 s = 28.6 tokens/s, not the mean rate 23)."""
+    lbss = LBSS([DrafterSpec("chain", capacity=2)], prior_weight=0.0)
+    lbss.observe("r", "chain", 9, 0.25)
+    lbss.observe("r", "chain", 1, 0.1)
+    e = lbss.estimates()["r"]["chain"]
+    assert e == Estimate(pytest.approx(10 / 0.35), 2)
+
+
+def test_exploration_retires_a_drafter_that_never_paid_on_any_request():
+    """Deviation 9: a drafter served on `retire_after` requests, none of which got from it the
+    pooled mean goodput of the best drafter, is not drawn in exploration; one that was best on
+    a single request stays; a live request on which it pays brings it back."""
+    names = ("good", "niche", "useless")
+    drafters = [DrafterSpec(n, capacity=8) for n in names]
+    finished = {"q0": (20, 30, 5), "q1": (20, 10, 6), "q2": (25, 12, 4)}  # goodputs per drafter
+
+    def bandit(retire_after: int, requests: dict) -> LBSS:
+        lbss = LBSS(drafters, alpha=8, beta=1, seed=0, retire_after=retire_after)
+        for rid, goodputs in requests.items():
+            for name, g in zip(names, goodputs):
+                lbss.observe(rid, name, g, 1.0)
+            lbss.release(rid)
+        return lbss
+
+    lbss = bandit(3, finished)
+    # pooled means 21.7 / 17.3 / 5: niche was best on q0 (30), useless never above 6
+    assert lbss.retired() == {"useless"}
+    drawn = Counter()
+    for _ in range(8):
+        assert lbss.stage == "explore"
+        drawn[lbss.assign(["new"])["new"].drafter] += 1
+        drawn[lbss.likely_destination("new").drafter] += 1
+        lbss.next_slot()
+    assert set(drawn) == {"good", "niche"}
+    # with the others idle for a request, the retired drafter is still not drawn ...
+    lbss = bandit(3, finished)
+    assert lbss.assign(["new"], idle=lambda rid, d: d != "useless")["new"].drafter != "useless"
+    # ... and exploitation may still place a request there on its own observations
+    lbss = LBSS(drafters, alpha=1, beta=1, seed=0, retire_after=3)
+    for rid, goodputs in finished.items():
+        for name, g in zip(names, goodputs):
+            lbss.observe(rid, name, g, 1.0)
+        lbss.release(rid)
+    for name, g in zip(names, (1, 1, 50)):
+        lbss.observe("odd", name, g, 1.0)
+    lbss.assign(["odd"])
+    lbss.next_slot()
+    assert lbss.stage == "exploit" and lbss.assign(["odd"])["odd"].drafter == "useless"
+    # a live request on which it pays: no longer retired
+    lbss = bandit(3, finished)
+    lbss.observe("live", "useless", 40, 1.0)
+    assert lbss.retired() == set()
+    # too few requests to tell, or turned off: never retired
+    assert bandit(4, finished).retired() == set()
+    assert bandit(0, finished).retired() == set()
+    with pytest.raises(ValueError, match="retire_after"):
+        LBSS(drafters, retire_after=-1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -42,7 +42,11 @@ Deviations from the paper (each marked `deviation:` where it is coded):
    H seconds. `switch_weight=0` is exactly (10).
 4. Estimates average every observation, exploitation ones included (Algorithm 2 averages the
    exploration ones); an unobserved (request, drafter) pair gets the drafter's mean over all
-   requests (the paper leaves it undefined).
+   requests (the paper leaves it undefined), and that mean also counts as `prior_weight`
+   observations of every pair: one step's goodput varies several-fold (a 1-token step against
+   an 8-token one), and a pair seen once or twice matched on its raw mean let one lucky step
+   of the 8-layer truncated Qwen draft (~10 tok/s on average, ~30 for the 0.5B draft) hold a
+   HumanEval request for 21 of its 30 steps. `prior_weight=0` is the raw mean.
 5. Requests come and go (the paper's set N is fixed): one arriving mid-chunk / mid-stage is placed
    in the free capacity (random draw / matching on the free columns); the others keep theirs.
 6. More requests than total capacity: the overflow gets `None` (no drafter: plain decoding, the
@@ -58,6 +62,22 @@ Deviations from the paper (each marked `deviation:` where it is coded):
    always choosing the datastore. If every drafter is idle for a request the draw is uniform,
    as the paper's. Idle drafters still get exploitation (the matching) and their tree-size
    policy keeps probing, so a drafter that starts paying is found again.
+9. Exploration does not draw a drafter that has never paid on any request: once it has served
+   `retire_after` requests (finished ones and live ones, each with its own mean goodput on
+   it) and even the best of those means is below the pooled mean goodput of the drafter with
+   the best pooled mean, it is left out of the draws (as idle drafters are, 8.). SPIN's
+   requests live for the whole run and explore every drafter at leisure; ours come and go
+   and a short request spends a large share of its life in exploration chunks: with the
+   Qwen 1.5B target at batch 1 the 8-layer truncated draft (12 tok/s where the 0.5B draft gave
+   22-30) took 10 of a HumanEval request's 23 steps. Per-request heterogeneity is kept (the
+   datastore, best on some chat requests and worse on average, stays drawn), and a retired
+   drafter can still win a request in the exploitation matching on that request's own
+   observations. `retire_after=0` turns this off.
+10. Goodput estimates are ratios of sums, accepted tokens over seconds, not means of per-slot
+   ratios. SPIN's slots have one length, where the two agree; ours are steps of the request,
+   whose length follows the tree (a confidence-stopped 0.5B chain alternates ~100 ms steps
+   of 1-2 tokens with ~250 ms steps of 9): the mean of ratios priced that drafter at ~25
+   tok/s where it delivered ~30, below a datastore it beat.
 """
 from __future__ import annotations
 
@@ -72,6 +92,14 @@ from scipy.optimize import linear_sum_assignment
 
 # A stay beats a switch of equal weight (ties broken towards no prefill).
 _STAY_BONUS = 1e-9
+
+
+def _rates(stats: np.ndarray, unseen: float = 0.0) -> np.ndarray:
+    """Goodput per drafter of a [3, M] (tokens, seconds, observations) table; `unseen` where
+    nothing was observed."""
+    tokens, seconds, n = stats
+    return np.divide(tokens, seconds, out=np.full(len(tokens), unseen, dtype=float),
+                     where=n > 0)
 
 
 @dataclass(frozen=True)
@@ -117,10 +145,14 @@ class LBSS:
 
     def __init__(self, drafters: Iterable[DrafterSpec], alpha: int = 4, beta: int = 2,
                  seed: int = 0, *, switch_weight: float = 1.0, slot_s: float | None = None,
-                 refill: bool = True) -> None:
+                 refill: bool = True, retire_after: int = 3,
+                 prior_weight: float = 2.0) -> None:
         """`alpha`: exploration slots per epoch, `beta`: chunk size (divides alpha),
         `switch_weight`: lambda of (6), `slot_s`: slot duration for the switching cost (None =
-        mean observed seconds), `refill`: re-place requests dropped in exploration."""
+        mean observed seconds), `refill`: re-place requests dropped in exploration,
+        `retire_after`: requests a drafter must have served before exploration may leave it
+        out for never having paid (deviation 9; 0 = never), `prior_weight`: observations the
+        drafter's pooled mean counts as in each request's estimate (deviation 4)."""
         self.drafters = tuple(drafters)
         if not self.drafters:
             raise ValueError("LBSS needs at least one drafter")
@@ -132,15 +164,25 @@ class LBSS:
                              f"got alpha={alpha}, beta={beta}")
         if switch_weight < 0 or (slot_s is not None and not slot_s > 0):
             raise ValueError("switch_weight must be >= 0 and slot_s > 0")
+        if retire_after < 0 or prior_weight < 0:
+            raise ValueError(f"retire_after and prior_weight must be >= 0, got {retire_after} "
+                             f"and {prior_weight}")
+        self.prior_weight = prior_weight
         self.alpha, self.beta, self.switch_weight = alpha, beta, switch_weight
+        self.retire_after = retire_after
         self.slot_s, self.refill = slot_s, refill
         self._index = {name: j for j, name in enumerate(names)}
         self._rng = np.random.default_rng(seed)
         # schedule: slot `_pos` of epoch `epoch` (1-based, as Algorithm 1)
         self.epoch, self._pos, self.slot = 1, 0, 0
         # statistics: per request [2, M] = (sum of r_ij, count); per drafter the same over all
+        # statistics: per request [3, M] = (tokens, seconds, observations) on each drafter,
+        # per drafter the same over all requests (deviation 10: goodput = tokens / seconds)
         self._stats: dict[Hashable, np.ndarray] = {}
-        self._drafter_stats = np.zeros((2, len(names)))
+        self._drafter_stats = np.zeros((3, len(names)))
+        # finished requests per drafter: how many were served on it, their best mean goodput
+        self._served = np.zeros(len(names), dtype=int)
+        self._best_request = np.zeros(len(names))
         self._tokens: Counter = Counter()            # accepted tokens per request (context size)
         self._context: dict[Hashable, int] = {}      # context sizes the caller gave
         self._seconds, self._observations = 0.0, 0
@@ -280,11 +322,31 @@ class LBSS:
 
     def _not_idle(self, rid: Hashable, drafters: list[DrafterSpec] | tuple[DrafterSpec, ...]
                   ) -> list[DrafterSpec]:
-        """The drafters the request would not decode plainly on; all of them if there are none."""
+        """The drafters worth drawing for the request: neither retired (deviation 9) nor ones
+        it would decode plainly on (8); if none is left, those not retired; then all."""
+        retired = self.retired()
+        fresh = [d for d in drafters if d.name not in retired] or list(drafters)
         if self._idle is None:
-            return list(drafters)
-        live = [d for d in drafters if not self._idle(rid, d.name)]
-        return live or list(drafters)
+            return fresh
+        live = [d for d in fresh if not self._idle(rid, d.name)]
+        return live or fresh
+
+    def retired(self) -> set[str]:
+        """Drafters exploration leaves out (deviation 9): served on at least `retire_after`
+        requests, none of which got from it the pooled mean goodput of the best drafter."""
+        if not self.retire_after:
+            return set()
+        if not (self._drafter_stats[2] > 0).any():
+            return set()
+        best = _rates(self._drafter_stats, -np.inf).max()
+        served, best_request = self._served.copy(), self._best_request.copy()
+        for stats in self._stats.values():  # live requests count with their goodputs so far
+            seen = stats[2] > 0
+            served += seen
+            best_request = np.where(seen, np.maximum(best_request, _rates(stats)),
+                                    best_request)
+        return {d.name for j, d in enumerate(self.drafters)
+                if served[j] >= self.retire_after and best_request[j] < best}
 
     def _fit(self, want: Placement, load: Counter) -> Placement | None:
         """`want` if its instance has room, else the least loaded instance of the same drafter
@@ -373,42 +435,52 @@ class LBSS:
     # feedback
     def observe(self, request_id: Hashable, drafter: str, accepted_tokens: float,
                 seconds: float) -> None:
-        """One slot's feedback r_ij = accepted_tokens / seconds of request i on drafter j."""
+        """One slot's feedback: request i emitted `accepted_tokens` in `seconds` on drafter j
+        (r_ij = their ratio; estimates are ratios of sums, deviation 10)."""
         if drafter not in self._index:
             raise ValueError(f"unknown drafter {drafter!r}; known: {list(self._index)}")
         if not accepted_tokens >= 0 or not math.isfinite(accepted_tokens):
             raise ValueError(f"accepted_tokens must be a finite number >= 0, got {accepted_tokens}")
         if not seconds > 0 or not math.isfinite(seconds):
             raise ValueError(f"seconds must be finite and > 0, got {seconds}")
-        j, r = self._index[drafter], accepted_tokens / seconds
+        j = self._index[drafter]
         # deviation 4: every observation counts, not only the exploration stage's
-        stats = self._stats.setdefault(request_id, np.zeros((2, len(self.drafters))))
-        stats[:, j] += (r, 1)
-        self._drafter_stats[:, j] += (r, 1)
+        stats = self._stats.setdefault(request_id, np.zeros((3, len(self.drafters))))
+        stats[:, j] += (accepted_tokens, seconds, 1)
+        self._drafter_stats[:, j] += (accepted_tokens, seconds, 1)
         self._tokens[request_id] += accepted_tokens
         self._seconds += seconds
         self._observations += 1
 
     def _goodput(self, ids: list[Hashable]) -> np.ndarray:
-        """g~ [N, M]: observed means; the drafter's overall mean where a pair is unobserved."""
-        total, n = self._drafter_stats
-        prior = np.divide(total, n, out=np.zeros_like(total), where=n > 0)      # [M]
+        """g~ [N, M]: each pair's tokens / seconds, with the drafter's overall goodput counted
+        as `prior_weight` mean-length slots of it (deviation 4); that goodput where a pair is
+        unobserved."""
+        prior = _rates(self._drafter_stats)                                      # [M]
         g = np.tile(prior, (len(ids), 1))
+        pseudo = self.prior_weight * self._slot_seconds()  # seconds the prior counts as
         for i, rid in enumerate(ids):
             if rid in self._stats:
-                s, c = self._stats[rid]
-                g[i] = np.where(c > 0, s / np.maximum(c, 1), prior)
+                tokens, seconds, n = self._stats[rid]
+                g[i] = np.where(n > 0, (tokens + pseudo * prior)
+                                / np.maximum(seconds + pseudo, 1e-12), prior)
         return g
 
     def estimates(self) -> dict[Hashable, dict[str, Estimate]]:
         """g~ and observation counts of every request seen, per drafter."""
         ids = list(self._stats)
         g = self._goodput(ids)
-        return {rid: {d.name: Estimate(float(g[i, j]), int(self._stats[rid][1, j]))
+        return {rid: {d.name: Estimate(float(g[i, j]), int(self._stats[rid][2, j]))
                       for j, d in enumerate(self.drafters)} for i, rid in enumerate(ids)}
 
     def release(self, request_id: Hashable) -> None:
         """Forget a finished request (its drafter-level contribution stays)."""
+        stats = self._stats.get(request_id)
+        if stats is not None:
+            seen = stats[2] > 0
+            self._served += seen
+            self._best_request = np.where(
+                seen, np.maximum(self._best_request, _rates(stats)), self._best_request)
         for table in (self._stats, self._context, self._home, self._plan, self._draws):
             table.pop(request_id, None)
         self._tokens.pop(request_id, None)
