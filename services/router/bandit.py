@@ -49,6 +49,13 @@ Deviations from the paper (each marked `deviation:` where it is coded):
    HumanEval request for 21 of its 30 steps. `prior_weight=0` is the raw mean.
 5. Requests come and go (the paper's set N is fixed): one arriving mid-chunk / mid-stage is placed
    in the free capacity (random draw / matching on the free columns); the others keep theirs.
+   A placement the matching made on a drafter the request had never been observed on (its
+   estimate there was the drafter's pooled mean, 4.) is provisional: the request is matched
+   again at the next slot, on what that slot taught, until it is placed on a drafter it has
+   been observed on. Algorithm 1 explores only at the start of each epoch and its
+   exploitation stages double in length, so with requests of a few dozen steps most of them
+   arrive inside a stage; kept there for the whole stage on a pooled mean, a math request
+   spent its 45 steps on the datastore at 15 tok/s where the 0.5B Qwen draft gave it 35.
 6. More requests than total capacity: the overflow gets `None` (no drafter: plain decoding, the
    verifier's bonus token only); the paper's constraint (5) assumes every request gets an SSM.
 7. In exploitation the predicted destination is the matching the stage would solve now, not the
@@ -195,6 +202,7 @@ class LBSS:
         self._active: list[Hashable] = []            # ids of the last assign
         self._idle: Callable[[Hashable, str], bool] | None = None  # of the last assign
         self.switches, self.switch_seconds = 0, 0.0
+        self._provisional: set[Hashable] = set()  # matched on a prior only (deviation 5)
 
     # ---------------------------------------------------------------------------------------
     # schedule
@@ -226,6 +234,9 @@ class LBSS:
 
     def next_slot(self) -> None:
         """End the current slot (Algorithm 1: epoch k = alpha + 2^k slots)."""
+        for rid in self._provisional:
+            self._plan.pop(rid, None)
+        self._provisional = set()
         self.slot += 1
         self._pos += 1
         if self._pos >= self.alpha + 2 ** self.epoch:
@@ -261,7 +272,11 @@ class LBSS:
         if todo:
             load = Counter(plan.values())
             if key[1] == "exploit":
-                plan.update(self._match(todo, load, self._horizon_slots()))
+                matched = self._match(todo, load, self._horizon_slots())
+                plan.update(matched)
+                # deviation 5: placed on a prior only -> matched again next slot
+                self._provisional |= {rid for rid, p in matched.items() if p is not None
+                                      and self._count(rid, p.drafter) == 0}
             else:
                 draws = {}
                 if self._draws_key == key:  # drawn in advance by likely_destination
@@ -452,6 +467,11 @@ class LBSS:
         self._seconds += seconds
         self._observations += 1
 
+    def _count(self, rid: Hashable, drafter: str) -> int:
+        """Observations of request `rid` on `drafter`."""
+        stats = self._stats.get(rid)
+        return 0 if stats is None else int(stats[2, self._index[drafter]])
+
     def _goodput(self, ids: list[Hashable]) -> np.ndarray:
         """g~ [N, M]: each pair's tokens / seconds, with the drafter's overall goodput counted
         as `prior_weight` mean-length slots of it (deviation 4); that goodput where a pair is
@@ -483,5 +503,6 @@ class LBSS:
                 seen, np.maximum(self._best_request, _rates(stats)), self._best_request)
         for table in (self._stats, self._context, self._home, self._plan, self._draws):
             table.pop(request_id, None)
+        self._provisional.discard(request_id)
         self._tokens.pop(request_id, None)
         self._active = [rid for rid in self._active if rid != request_id]
