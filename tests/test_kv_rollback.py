@@ -106,6 +106,20 @@ def test_drafter_chain_continues_correctly_after_rollback(draft, chat_prompt_ids
     assert continued.tokens == fresh.tokens
 
 
+def test_prefill_computes_only_the_last_rows_logits(target_lm, chat_prompt_ids):
+    """`last=1` (what `prefill` asks) gives the full forward's last row, and the cache is the
+    same: only the LM head is skipped for the other rows."""
+    ids = chat_prompt_ids(0)
+    full_cache, short_cache = target_lm.new_cache(), target_lm.new_cache()
+    full = target_lm.forward(full_cache, torch.tensor(ids))
+    short = target_lm.forward(short_cache, torch.tensor(ids), last=1)
+    assert short.shape == (1, full.shape[1])
+    torch.testing.assert_close(short[0], full[-1])
+    torch.testing.assert_close(target_lm.prefill(target_lm.new_cache(), ids), full[-1])
+    for (k1, v1), (k2, v2) in zip(full_cache.tensors(), short_cache.tensors()):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
 def test_forward_many_equals_one_forward_per_request(draft, chat_prompt_ids):
     """Several requests' rows in one forward (chains from empty and after a cache, a single
     row, tree rows under a visibility mask, a chain without logits) give each request the

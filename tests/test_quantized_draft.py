@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from kernels.linear import (INT4_GROUP, Int4Linear, Int8Linear, PackedLinear, int4_supports,
-                            int8_supports, quantize_linears)
+                            int8_supports, onednn_supports, quantize_linears)
 from services.drafter.engine import DraftModel
 from services.drafter.models import DraftSpec, build_draft_models
 from services.embedded import EmbeddedMesh
@@ -71,7 +71,7 @@ def test_int4_linear_is_the_product_with_its_rounded_weights(shape, bias):
     (the kernel's multiple of 16) and sliced back."""
     torch.manual_seed(0)
     linear = nn.Linear(*shape, bias=bias)
-    q = Int4Linear(linear)
+    q = Int4Linear(linear, dense_rows=None)  # int4 for every call (the bf16 copy: below)
     rounded = nn.Linear(*shape, bias=bias)
     with torch.no_grad():
         rounded.weight.copy_(dequantized(linear.weight, INT4_GROUP))
@@ -88,6 +88,25 @@ def test_int4_linear_is_the_product_with_its_rounded_weights(shape, bias):
             q(x.bfloat16())
     with pytest.raises(TypeError, match="divisible by 32"):
         Int4Linear(nn.Linear(48, 16))
+
+
+@needs_int4
+@pytest.mark.skipif(onednn_supports(torch.bfloat16) is not None,
+                    reason="oneDNN does not run bf16 here: Int4Linear keeps no bf16 copy")
+def test_int4_linear_takes_many_rows_through_its_bf16_copy():
+    """Calls of >= dense_rows rows (a prefill) use the bf16 weights (~0.4% off the float
+    product), fewer rows the int4 codes (~6%), and one input split across the threshold gives
+    each part its own path."""
+    torch.manual_seed(0)
+    linear = nn.Linear(576, 1536, bias=True)
+    q = Int4Linear(linear, dense_rows=16)
+    assert q.dense is not None and "bf16 for >= 16 rows" in repr(q)
+    with torch.inference_mode():
+        many, few = torch.randn(16, 576), torch.randn(15, 576)
+        assert relative_error(q(many), linear(many)) < 0.01
+        assert 0.03 < relative_error(q(few), linear(few)) < 0.08
+        assert q(torch.randn(2, 8, 576)).shape == (2, 8, 1536)  # 16 rows in all: bf16
+    assert Int4Linear(linear, dense_rows=None).dense is None
 
 
 @pytest.mark.parametrize("weights", WEIGHTS)

@@ -149,11 +149,13 @@ class CausalLM:
 
     @torch.inference_mode()
     def forward(self, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                visible: torch.Tensor | None = None) -> torch.Tensor:
+                visible: torch.Tensor | None = None, last: int = 0) -> torch.Tensor:
         """Runs `tokens` as new rows appended to `cache`; returns their logits [n, V] (float32).
 
         tokens: [n] long. positions: [n] long position ids (default: a chain after the cache).
         visible: [n, len(cache) + n] bool, row i may attend to column j (default: causal chain).
+        last: only the last `last` rows' logits (0 = all): the LM head over a long prompt
+        costs as much as several layers and a prefill needs one row.
         """
         past = len(cache)
         n = int(tokens.shape[0])
@@ -174,6 +176,7 @@ class CausalLM:
             past_key_values=cache.cache,
             cache_position=torch.arange(past, past + n, device=self.device),
             use_cache=True,
+            logits_to_keep=last,
         )
         return out.logits[0].float()
 
@@ -181,7 +184,7 @@ class CausalLM:
         """Appends a causal chain of tokens; returns the last row's logits [V] (None if empty)."""
         if not tokens:
             return None
-        return self.forward(cache, torch.tensor(list(tokens), dtype=torch.long))[-1]
+        return self.forward(cache, torch.tensor(list(tokens), dtype=torch.long), last=1)[-1]
 
     @torch.inference_mode()
     def forward_many(self, parts: Sequence[Part]) -> list[torch.Tensor]:
