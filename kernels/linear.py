@@ -43,6 +43,7 @@ the memory's ~45 GB/s, so halving the bytes buys less than half the time).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from pathlib import Path
@@ -88,8 +89,10 @@ class PackedLinear(nn.Module):
                 f"{', dense for one row' if self.dense is not None else ''})")
 
 
+@functools.cache
 def onednn_supports(dtype: torch.dtype) -> str | None:
-    """None when oneDNN can pack and run a linear of `dtype` on this CPU, else the reason."""
+    """None when oneDNN can pack and run a linear of `dtype` on this CPU, else the reason
+    (probed once per dtype: every Int4Linear of a model asks)."""
     if not torch.backends.mkldnn.is_available():
         return "torch was built without oneDNN (mkldnn)"
     try:
@@ -246,12 +249,10 @@ class Int4Linear(nn.Module):
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
         if self.dense is not None and flat.shape[0] >= self.dense_rows:
             y = self.dense(flat).float()
-            if self.bias is not None:
-                y = y + self.bias
-            return y.view(*x.shape[:-1], self.out_features)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size,
-                                                        self.scales)
-        y = y[:, :self.out_features].float()
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size,
+                                                            self.scales)
+            y = y[:, :self.out_features].float()
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)

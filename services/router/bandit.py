@@ -182,7 +182,6 @@ class LBSS:
         self._rng = np.random.default_rng(seed)
         # schedule: slot `_pos` of epoch `epoch` (1-based, as Algorithm 1)
         self.epoch, self._pos, self.slot = 1, 0, 0
-        # statistics: per request [2, M] = (sum of r_ij, count); per drafter the same over all
         # statistics: per request [3, M] = (tokens, seconds, observations) on each drafter,
         # per drafter the same over all requests (deviation 10: goodput = tokens / seconds)
         self._stats: dict[Hashable, np.ndarray] = {}
@@ -190,6 +189,7 @@ class LBSS:
         # finished requests per drafter: how many were served on it, their best mean goodput
         self._served = np.zeros(len(names), dtype=int)
         self._best_request = np.zeros(len(names))
+        self._retired: set[str] | None = None  # retired() until the next observe / release
         self._tokens: Counter = Counter()            # accepted tokens per request (context size)
         self._context: dict[Hashable, int] = {}      # context sizes the caller gave
         self._seconds, self._observations = 0.0, 0
@@ -348,10 +348,14 @@ class LBSS:
 
     def retired(self) -> set[str]:
         """Drafters exploration leaves out (deviation 9): served on at least `retire_after`
-        requests, none of which got from it the pooled mean goodput of the best drafter."""
-        if not self.retire_after:
-            return set()
-        if not (self._drafter_stats[2] > 0).any():
+        requests, none of which got from it the pooled mean goodput of the best drafter.
+        Computed once per change of the statistics (exploration asks for every request)."""
+        if self._retired is None:
+            self._retired = self._find_retired()
+        return self._retired
+
+    def _find_retired(self) -> set[str]:
+        if not self.retire_after or not (self._drafter_stats[2] > 0).any():
             return set()
         best = _rates(self._drafter_stats, -np.inf).max()
         served, best_request = self._served.copy(), self._best_request.copy()
@@ -463,6 +467,7 @@ class LBSS:
         stats = self._stats.setdefault(request_id, np.zeros((3, len(self.drafters))))
         stats[:, j] += (accepted_tokens, seconds, 1)
         self._drafter_stats[:, j] += (accepted_tokens, seconds, 1)
+        self._retired = None
         self._tokens[request_id] += accepted_tokens
         self._seconds += seconds
         self._observations += 1
@@ -501,6 +506,7 @@ class LBSS:
             self._served += seen
             self._best_request = np.where(
                 seen, np.maximum(self._best_request, _rates(stats)), self._best_request)
+            self._retired = None
         for table in (self._stats, self._context, self._home, self._plan, self._draws):
             table.pop(request_id, None)
         self._provisional.discard(request_id)
