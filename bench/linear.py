@@ -23,7 +23,7 @@ from bench.batch import header
 from bench.run import save_report
 from services.common import models
 from services.common.config import Settings
-from kernels.linear import onednn_supports
+from kernels.linear import fp16_supports, onednn_supports
 
 
 def step_ms(model, context: int, rows: list[int], reps: int) -> dict[int, float]:
@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                         choices=["float32", "bfloat16"])
-    parser.add_argument("--linear", nargs="+", default=["torch", "onednn"],
-                        choices=["torch", "onednn"])
+    parser.add_argument("--linear", nargs="+", default=["torch", "onednn", "fp16"],
+                        choices=["torch", "onednn", "fp16"])
     parser.add_argument("--rows", default="1,2,4,8,16,32", help="new tokens per forward")
     parser.add_argument("--context", type=int, default=300, help="cached tokens before the step")
     parser.add_argument("--reps", type=int, default=5)
@@ -71,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         for linear in args.linear:
             if linear == "onednn" and (reason := onednn_supports(dtype)):
                 print(f"{dtype_name} onednn: not on this CPU ({reason})")
+                continue
+            if linear == "fp16" and (reason := fp16_supports() or (
+                    None if dtype == torch.bfloat16 else "bf16 models only")):
+                print(f"{dtype_name} fp16: skipped ({reason})")
                 continue
             model = models.load_model(path, dtype, linear=linear)
             print(f"{dtype_name} {linear} ...", flush=True)

@@ -53,7 +53,7 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-BACKENDS: tuple[str, ...] = ("auto", "torch", "onednn")  # config.Settings.linear
+BACKENDS: tuple[str, ...] = ("auto", "torch", "onednn", "fp16")  # config.Settings.linear
 DENSE_ONE_ROW_MAX = 1 << 20  # weights; see the module docstring
 
 
@@ -104,13 +104,92 @@ def onednn_supports(dtype: torch.dtype) -> str | None:
     return None
 
 
+class Fp16Linear(nn.Module):
+    """y = x W^T + b for bf16 (or float32) weights on CPUs without bf16 arithmetic: W is stored
+    as float16 and multiplied by FBGEMM's fp16-weight GEMM (`quantized::linear_dynamic_fp16`),
+    which converts weight tiles to float32 in registers (F16C) and accumulates in float32.
+    The input is taken in its own dtype, multiplied in float32, and returned in that dtype.
+
+    Why: on AVX2-only CPUs (an AMD EPYC Zen 3 in the 2026-11-24 runs) torch's bf16 linear is a
+    matrix-vector product per row, so its cost grows linearly with the rows: Qwen2.5-1.5B's MLP
+    up-projection (8960 x 1536) took 1.6 ms for 1 row, 11.7 ms for 8, 22.5 ms for 16, and
+    verifying 8 tokens cost ~5.5x a plain step; a 600-token prompt took minutes to prefill.
+    FBGEMM's fp16 kernel: 1.3 / 1.4 / 3.1 / 4.3 ms for 1 / 4 / 8 / 16 rows.
+
+    Numbers: a bf16 value whose exponent lies in float16's normal range (|w| in [2^-14, 65504])
+    is exactly a float16 (bf16 has 7 mantissa bits, float16 10), and bf16 x bf16 products are
+    exact in float32, so the layer computes what torch's bf16 linear computes (float32
+    accumulation of exact products, rounded once to bf16 by the caller's dtype) up to the order
+    of the sum. Weights below 2^-14 become float16 subnormals, rounded to a multiple of 2^-24
+    (an absolute error below 6e-8, far under the bf16 rounding of the output); weights beyond
+    float16's range raise (`fp16_weight_error` says so before a model is converted)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach()
+        reason = fp16_weight_error(weight)
+        if reason is not None:
+            raise ValueError(reason)
+        self.weight_dtype = weight.dtype
+        bias = linear.bias.detach().float() if linear.bias is not None else None
+        # an opaque FBGEMM object: not a parameter, not in the state dict
+        self.packed = torch.ops.quantized.linear_prepack_fp16(weight.float(), bias)
+        self.has_bias = bias is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).float().contiguous()
+        y = torch.ops.quantized.linear_dynamic_fp16(flat, self.packed)
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.has_bias}, weight={self.weight_dtype} as float16 (FBGEMM, float32 "
+                f"products)")
+
+
+FP16_MAX = 65504.0
+
+
+def fp16_weight_error(weight: torch.Tensor) -> str | None:
+    """None when every weight fits float16's range (Fp16Linear's docstring), else why not."""
+    if not torch.isfinite(weight).all():
+        return "weights hold inf or nan"
+    largest = weight.abs().max().item() if weight.numel() else 0.0
+    if largest > FP16_MAX:
+        return f"a weight of magnitude {largest:g} exceeds float16's range ({FP16_MAX:g})"
+    return None
+
+
+def probe(layer, features: int, fbgemm: str | None = None) -> str | None:
+    """None when `layer(nn.Linear(features, 16))` runs a product here, else the reason; `fbgemm`
+    names the kernels when the layer needs torch's FBGEMM (x86 only)."""
+    if fbgemm and "fbgemm" not in torch.backends.quantized.supported_engines:
+        return f"torch was built without FBGEMM ({fbgemm})"
+    try:
+        with torch.inference_mode():
+            layer(nn.Linear(features, 16))(torch.ones(2, features))
+    except (RuntimeError, AttributeError, NotImplementedError) as exc:
+        return str(exc).splitlines()[0] or type(exc).__name__
+    return None
+
+
+@functools.cache
+def fp16_supports() -> str | None:
+    """None when FBGEMM's fp16-weight linear runs here, else the reason (probed once)."""
+    return probe(Fp16Linear, 16, "x86 fp16-weight kernels")
+
+
 def pack_linears(model: nn.Module, backend: str = "auto") -> int:
-    """Replaces every CPU nn.Linear of `model` by a PackedLinear; returns how many were replaced.
+    """Replaces every CPU nn.Linear of `model` by a PackedLinear (oneDNN) or an Fp16Linear
+    (FBGEMM, bf16 weights); returns how many were replaced.
 
     backend: "torch" keeps torch's linear; "onednn" packs or raises where oneDNN cannot run the
-    model's dtype; "auto" packs where it can (CPU, oneDNN takes the dtype) and keeps torch's
-    linear elsewhere. Tied weights (a LM head sharing the embedding matrix) are packed as a copy:
-    the embedding keeps its dense matrix for lookups.
+    model's dtype; "fp16" converts a bf16 model's layers to Fp16Linear or raises; "auto" packs
+    for oneDNN where it takes the dtype, else converts a bf16 model to Fp16Linear where FBGEMM
+    runs here (CPUs without bf16 arithmetic: AVX2), and keeps torch's linear elsewhere. Tied
+    weights (a LM head sharing the embedding matrix) are packed as a copy: the embedding keeps
+    its dense matrix for lookups.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown linear backend '{backend}' (expected one of {BACKENDS})")
@@ -120,19 +199,30 @@ def pack_linears(model: nn.Module, backend: str = "auto") -> int:
     if not linears:
         return 0
     weight = linears[0][1].weight
-    reason = None if weight.device.type == "cpu" else f"weights on {weight.device.type}"
-    reason = reason or onednn_supports(weight.dtype)
+    device = None if weight.device.type == "cpu" else f"weights on {weight.device.type}"
+    layer, how = PackedLinear, "packed for oneDNN"
+    reason = device or (onednn_supports(weight.dtype) if backend != "fp16" else "fp16 asked")
+    if reason is not None and backend in ("auto", "fp16") and weight.dtype == torch.bfloat16:
+        fp16_reason = device or fp16_supports() or next(
+            (f"{name}: {why}" for name, m in linears
+             if (why := fp16_weight_error(m.weight)) is not None), None)
+        if fp16_reason is None:
+            layer, how, reason = Fp16Linear, "float16 for FBGEMM", None
+        else:
+            reason = fp16_reason if backend == "fp16" else f"{reason}; fp16: {fp16_reason}"
+    elif backend == "fp16":
+        reason = reason if device else f"fp16 holds bf16 weights, the model is {weight.dtype}"
     if reason is not None:
-        if backend == "onednn":
-            raise RuntimeError(f"linear backend 'onednn' cannot run {weight.dtype}: {reason}")
+        if backend != "auto":
+            raise RuntimeError(f"linear backend '{backend}' cannot run {weight.dtype}: {reason}")
         log.info("linear layers: torch (%s)", reason)
         return 0
     with torch.inference_mode(False), torch.no_grad():
         for name, module in linears:
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child, PackedLinear(module))
-    log.info("linear layers: %d packed for oneDNN (%s)", len(linears), weight.dtype)
+            setattr(parent, child, layer(module))
+    log.info("linear layers: %d %s (%s)", len(linears), how, weight.dtype)
     return len(linears)
 
 
@@ -178,14 +268,7 @@ class Int8Linear(nn.Module):
 
 def int8_supports() -> str | None:
     """None when FBGEMM's dynamic int8 linear runs here, else the reason."""
-    if "fbgemm" not in torch.backends.quantized.supported_engines:
-        return "torch was built without FBGEMM (x86 int8 kernels)"
-    try:
-        with torch.inference_mode():
-            Int8Linear(nn.Linear(16, 8))(torch.ones(2, 16))
-    except RuntimeError as exc:
-        return str(exc).splitlines()[0]
-    return None
+    return probe(Int8Linear, 16, "x86 int8 kernels")
 
 
 INT4_GROUP = 32  # inputs per (scale, offset) pair of Int4Linear
@@ -204,9 +287,10 @@ class Int4Linear(nn.Module):
     The int4 kernel is built for few rows: prefilling a 600-token prompt through the 0.5B Qwen
     took 2.64 s with it against 0.95 s with bf16 weights packed for oneDNN (Zen 4, two cores),
     and a draft's prefill is on the request's critical path (the first drafted step waits
-    for it). Where oneDNN runs bf16 (`dense_rows`, default INT4_DENSE_ROWS), the layer also
-    keeps its weights in bf16, packed, for calls of that many rows or more: more memory (2
-    bytes per weight besides the 4-bit codes), the prefill at bf16 speed. A draft's guesses
+    for it). The layer therefore also keeps its weights rounded to bf16 for calls of
+    `dense_rows` rows or more (default INT4_DENSE_ROWS): packed for oneDNN where it runs bf16,
+    else as an Fp16Linear (AVX2 CPUs); more memory (2 bytes per weight besides the 4-bit
+    codes), the prefill at the speed of those kernels. A draft's guesses
     need not be exact, so its prompt rows may come from bf16 weights and its drafted ones from
     int4. `dense_rows=None`: int4 for every call."""
 
@@ -235,12 +319,15 @@ class Int4Linear(nn.Module):
         bias = linear.bias.detach().float() if linear.bias is not None else None
         self.register_buffer("bias", bias, persistent=False)
         self.group_size = group_size
-        self.dense = None  # bf16 PackedLinear for calls of >= dense_rows rows
-        if dense_rows is not None and onednn_supports(torch.bfloat16) is None:
+        self.dense = None  # a bf16 or fp16 copy for calls of >= dense_rows rows
+        if dense_rows is not None:
             copy = nn.Linear(self.in_features, self.out_features, bias=False,
                              dtype=torch.bfloat16)
             copy.weight.data = linear.weight.detach().to(torch.bfloat16)
-            self.dense = PackedLinear(copy, keep_dense=False)
+            if onednn_supports(torch.bfloat16) is None:
+                self.dense = PackedLinear(copy, keep_dense=False)
+            elif fp16_supports() is None and fp16_weight_error(copy.weight) is None:
+                self.dense = Fp16Linear(copy)  # CPUs without bf16 arithmetic (AVX2)
         self.dense_rows = dense_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -260,17 +347,16 @@ class Int4Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, weight=int4 in groups of {self.group_size}"
-                f"{f', bf16 for >= {self.dense_rows} rows' if self.dense is not None else ''}")
+                f"{f', {self.dense_kind} for >= {self.dense_rows} rows' if self.dense else ''}")
+
+    @property
+    def dense_kind(self) -> str:
+        return "bf16" if isinstance(self.dense, PackedLinear) else "fp16"
 
 
 def int4_supports() -> str | None:
     """None when torch's CPU int4 kernel runs here, else the reason."""
-    try:
-        with torch.inference_mode():
-            Int4Linear(nn.Linear(64, 16))(torch.ones(2, 64))
-    except (RuntimeError, AttributeError, NotImplementedError) as exc:
-        return str(exc).splitlines()[0] or type(exc).__name__
-    return None
+    return probe(Int4Linear, 64)
 
 
 QUANTIZED = {"int8": (Int8Linear, int8_supports, "FBGEMM, dynamic activations"),

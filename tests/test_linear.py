@@ -5,7 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from kernels.linear import PackedLinear, onednn_supports, pack_linears
+from kernels.linear import (Fp16Linear, PackedLinear, fp16_supports, fp16_weight_error,
+                            onednn_supports, pack_linears)
 from services.common import models
 
 pytestmark = pytest.mark.skipif(onednn_supports(torch.float32) is not None,
@@ -61,10 +62,12 @@ def test_bf16_follows_what_the_cpu_supports():
     reason = onednn_supports(torch.bfloat16)
     if reason is None:
         assert pack_linears(model, "onednn") == 1
-    else:  # e.g. AVX2 without AVX512-BF16: auto keeps torch's, onednn says why it cannot
+    else:  # e.g. AVX2 without AVX512-BF16: onednn says why it cannot, auto takes FBGEMM's
         with pytest.raises(RuntimeError, match="cannot run torch.bfloat16"):
             pack_linears(model, "onednn")
-        assert pack_linears(model, "auto") == 0 and type(model[0]) is nn.Linear
+        expected = nn.Linear if fp16_supports() is not None else Fp16Linear
+        assert pack_linears(model, "auto") == (expected is Fp16Linear)
+        assert type(model[0]) is expected
 
 
 def test_real_model_greedy_matches_torch_linears(target_path, hf_target, tokenizer):
@@ -79,3 +82,93 @@ def test_real_model_greedy_matches_torch_linears(target_path, hf_target, tokeniz
         kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=32,
                   pad_token_id=tokenizer.eos_token_id)
         assert hf_target.generate(ids, **kw).tolist() == stock.generate(ids, **kw).tolist()
+
+
+needs_fp16 = pytest.mark.skipif(fp16_supports() is not None,
+                                reason="FBGEMM's fp16-weight linear does not run here")
+
+
+def bf16_reference(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The float32 product of bf16-rounded weights and inputs: the exact products torch's bf16
+    linear accumulates, before its output is rounded to bf16."""
+    bias = None if linear.bias is None else linear.bias.float()
+    return nn.functional.linear(x.bfloat16().float(), linear.weight.bfloat16().float(), bias)
+
+
+@needs_fp16
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(576, 1536), (1536, 576)])
+def test_fp16_linear_computes_the_bf16_product(shape, bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(*shape, bias=bias).to(torch.bfloat16)
+    fp16 = Fp16Linear(linear)
+    with torch.inference_mode():
+        for rows in (1, 2, 5, 6, 7, 13, 64):
+            x = torch.randn(rows, shape[0])
+            # float32 in, float32 out: the same exact products summed in another order
+            torch.testing.assert_close(fp16(x.bfloat16().float()), bf16_reference(linear, x),
+                                       rtol=1e-5, atol=1e-5)
+            # bf16 in, bf16 out: what torch's bf16 linear gives, to bf16's last bit
+            got = fp16(x.bfloat16())
+            assert got.dtype == torch.bfloat16
+            torch.testing.assert_close(got, linear(x.bfloat16()), rtol=2 ** -7, atol=1e-2)
+        x = torch.randn(2, 5, shape[0]).bfloat16()  # [batch, seq, features]
+        torch.testing.assert_close(fp16(x).float(), bf16_reference(linear, x),
+                                   rtol=2 ** -7, atol=1e-2)
+        x = torch.randn(shape[0], 3).bfloat16().float().t()  # non-contiguous input
+        assert not x.is_contiguous()
+        torch.testing.assert_close(fp16(x), bf16_reference(linear, x), rtol=1e-5, atol=1e-5)
+
+
+@needs_fp16
+def test_fp16_rows_agree_across_call_sizes():
+    """Unlike oneDNN's float32 product, FBGEMM's depends in the last float32 bits on how the
+    call's rows fall into its blocks (6 rows on AVX2): a verify row and a plain step's row may
+    differ by a bf16 ulp after rounding (as on bf16 hardware: tests/test_bf16_ties.py)."""
+    torch.manual_seed(0)
+    fp16 = Fp16Linear(nn.Linear(576, 1536, bias=False).to(torch.bfloat16))
+    x = torch.randn(16, 576)
+    with torch.inference_mode():
+        full = fp16(x)
+        for rows in (1, 2, 6, 7, 12):
+            torch.testing.assert_close(fp16(x[:rows]), full[:rows], rtol=1e-6, atol=1e-5)
+
+
+@needs_fp16
+def test_fp16_refuses_weights_outside_float16():
+    linear = nn.Linear(4, 2, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        linear.weight[0, 0] = 1e6
+    assert "exceeds float16's range" in fp16_weight_error(linear.weight)
+    with pytest.raises(ValueError, match="exceeds float16's range"):
+        Fp16Linear(linear)
+    model = nn.Sequential(linear)
+    with pytest.raises(RuntimeError, match="linear backend 'fp16' cannot run"):
+        pack_linears(model, "fp16")
+    if onednn_supports(torch.bfloat16) is not None:  # auto falls back to torch's linear
+        assert pack_linears(model, "auto") == 0 and type(model[0]) is nn.Linear
+
+
+@needs_fp16
+def test_pack_linears_fp16_backend():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(torch.bfloat16)
+    x = torch.randn(3, 8).bfloat16()
+    with torch.inference_mode():
+        ref = model(x)
+        assert pack_linears(model, "fp16") == 2 and isinstance(model[2], Fp16Linear)
+        torch.testing.assert_close(model(x), ref, rtol=2 ** -7, atol=1e-2)
+    with pytest.raises(RuntimeError, match="fp16 holds bf16 weights"):
+        pack_linears(nn.Sequential(nn.Linear(8, 4)), "fp16")
+
+
+@needs_fp16
+def test_real_model_bf16_greedy_matches_torch_linears(target_path, tokenizer):
+    """SmolLM2 in bf16 with Fp16Linear layers decodes like transformers' own bf16 linears."""
+    fast = models.load_model(target_path, torch.bfloat16, linear="fp16")
+    stock = models.load_model(target_path, torch.bfloat16, linear="torch")
+    assert isinstance(fast.lm_head, Fp16Linear) and type(stock.lm_head) is nn.Linear
+    ids = torch.tensor([tokenizer("def fibonacci(n):").input_ids])
+    with torch.inference_mode():
+        kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24,
+                  pad_token_id=tokenizer.eos_token_id)
+        assert fast.generate(ids, **kw).tolist() == stock.generate(ids, **kw).tolist()

@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from kernels.linear import (INT4_GROUP, Int4Linear, Int8Linear, PackedLinear, int4_supports,
-                            int8_supports, onednn_supports, quantize_linears)
+from kernels.linear import (INT4_GROUP, Int4Linear, Int8Linear, PackedLinear, cpu_has,
+                            fp16_supports, int4_supports, int8_supports, onednn_supports,
+                            quantize_linears)
 from services.drafter.engine import DraftModel
 from services.drafter.models import DraftSpec, build_draft_models
 from services.embedded import EmbeddedMesh
@@ -34,6 +35,9 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(576, 1536), (1536, 576), (64, 4096)])
 def test_int8_linear_is_close_to_the_float_product(shape, bias, reduce_range):
+    if not reduce_range and not cpu_has("avx512_vnni", "avx_vnni"):
+        pytest.skip("full-range int8 saturates FBGEMM's int16 pairs on CPUs without VNNI "
+                    "(Int8Linear takes reduce_range there)")
     torch.manual_seed(0)
     linear = nn.Linear(*shape, bias=bias)
     q = Int8Linear(linear, reduce_range=reduce_range)
@@ -91,16 +95,17 @@ def test_int4_linear_is_the_product_with_its_rounded_weights(shape, bias):
 
 
 @needs_int4
-@pytest.mark.skipif(onednn_supports(torch.bfloat16) is not None,
-                    reason="oneDNN does not run bf16 here: Int4Linear keeps no bf16 copy")
+@pytest.mark.skipif(onednn_supports(torch.bfloat16) is not None and fp16_supports() is not None,
+                    reason="neither oneDNN bf16 nor FBGEMM fp16 here: Int4Linear keeps no copy")
 def test_int4_linear_takes_many_rows_through_its_bf16_copy():
-    """Calls of >= dense_rows rows (a prefill) use the bf16 weights (~0.4% off the float
-    product), fewer rows the int4 codes (~6%), and one input split across the threshold gives
-    each part its own path."""
+    """Calls of >= dense_rows rows (a prefill) use the bf16-rounded weights (~0.4% off the
+    float product; oneDNN, or FBGEMM's fp16 kernel on AVX2), fewer rows the int4 codes (~6%),
+    and one input split across the threshold gives each part its own path."""
     torch.manual_seed(0)
     linear = nn.Linear(576, 1536, bias=True)
     q = Int4Linear(linear, dense_rows=16)
-    assert q.dense is not None and "bf16 for >= 16 rows" in repr(q)
+    kind = "bf16" if onednn_supports(torch.bfloat16) is None else "fp16"
+    assert q.dense is not None and f"{kind} for >= 16 rows" in repr(q)
     with torch.inference_mode():
         many, few = torch.randn(16, 576), torch.randn(15, 576)
         assert relative_error(q(many), linear(many)) < 0.01

@@ -119,10 +119,11 @@ class Settings(BaseSettings):
     model: str = Field(DEFAULT_MODEL, description="target model: a known name or a local HF directory")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="target/draft dtype; auto = bfloat16 where the hardware runs it fast")
-    linear: Literal["auto", "torch", "onednn"] = Field(
+    linear: Literal["auto", "torch", "onednn", "fp16"] = Field(
         "auto", description="CPU kernels of the models' linear layers: onednn = weights packed once "
-                            "(cost nearly flat in the rows of a verify step); auto = onednn where "
-                            "the CPU runs the dtype, else torch")
+                            "(cost nearly flat in the rows of a verify step); fp16 = bf16 weights "
+                            "stored as float16 for FBGEMM (CPUs without bf16 arithmetic); auto = "
+                            "onednn where the CPU runs the dtype, else fp16 for bf16, else torch")
     drafters: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="draft models: 'layers:N' (first N layers of the target) or a model name/dir, "

@@ -205,17 +205,21 @@ def _convert(gguf: Path, out: Path) -> None:
 
 
 def resolve_dtype(name: str) -> torch.dtype:
-    """'auto' picks bfloat16 where the hardware runs it natively (CUDA, or a CPU with AVX512-BF16
-    or AMX), else float32."""
+    """'auto' picks bfloat16 where the hardware runs it fast: CUDA, a CPU with AVX512-BF16 or AMX
+    (native bf16 products), or an x86 CPU where FBGEMM's fp16-weight kernel runs the linear
+    layers (kernels/linear.Fp16Linear: on an AVX2-only EPYC a Qwen2.5-1.5B step took 175 ms in
+    bf16 against 420 ms in float32); else float32."""
     if name == "float32":
         return torch.float32
     if name == "bfloat16":
         return torch.bfloat16
     if torch.cuda.is_available():
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    from kernels.linear import cpu_has
+    from kernels.linear import cpu_has, fp16_supports
 
-    return torch.bfloat16 if cpu_has("avx512_bf16", "amx_bf16") else torch.float32
+    if cpu_has("avx512_bf16", "amx_bf16") or fp16_supports() is None:
+        return torch.bfloat16
+    return torch.float32
 
 
 def load_model(path: Path, dtype: torch.dtype, num_layers: int | None = None,
