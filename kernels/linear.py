@@ -45,7 +45,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -124,11 +126,11 @@ class Fp16Linear(nn.Module):
     (an absolute error below 6e-8, far under the bf16 rounding of the output); weights beyond
     float16's range raise (`fp16_weight_error` says so before a model is converted)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, checked: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
-        reason = fp16_weight_error(weight)
+        reason = None if checked else fp16_weight_error(weight)  # checked: by the caller
         if reason is not None:
             raise ValueError(reason)
         self.weight_dtype = weight.dtype
@@ -153,9 +155,9 @@ FP16_MAX = 65504.0
 
 def fp16_weight_error(weight: torch.Tensor) -> str | None:
     """None when every weight fits float16's range (Fp16Linear's docstring), else why not."""
-    if not torch.isfinite(weight).all():
+    largest = weight.abs().amax().item() if weight.numel() else 0.0  # nan and inf propagate
+    if not math.isfinite(largest):
         return "weights hold inf or nan"
-    largest = weight.abs().max().item() if weight.numel() else 0.0
     if largest > FP16_MAX:
         return f"a weight of magnitude {largest:g} exceeds float16's range ({FP16_MAX:g})"
     return None
@@ -217,11 +219,19 @@ def pack_linears(model: nn.Module, backend: str = "auto") -> int:
             raise RuntimeError(f"linear backend '{backend}' cannot run {weight.dtype}: {reason}")
         log.info("linear layers: torch (%s)", reason)
         return 0
-    with torch.inference_mode(False), torch.no_grad():
-        for name, module in linears:
-            parent_name, _, child = name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child, layer(module))
+    def build(module: nn.Linear) -> nn.Module:
+        with torch.inference_mode(False), torch.no_grad():
+            # Fp16Linear's weights were checked above
+            return layer(module) if layer is PackedLinear else layer(module, True)
+
+    # FBGEMM packs on one core and releases the GIL: a 1.5B model's 198 layers took 15 s in
+    # turn; packed side by side on every core
+    with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+        built = list(pool.map(build, [module for _, module in linears]))
+    for (name, _), new in zip(linears, built):
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, new)
     log.info("linear layers: %d %s (%s)", len(linears), how, weight.dtype)
     return len(linears)
 
@@ -321,8 +331,8 @@ class Int4Linear(nn.Module):
         self.group_size = group_size
         self.dense = None  # a bf16 or fp16 copy for calls of >= dense_rows rows
         if dense_rows is not None:
-            copy = nn.Linear(self.in_features, self.out_features, bias=False,
-                             dtype=torch.bfloat16)
+            copy = nn.utils.skip_init(nn.Linear, self.in_features, self.out_features, bias=False,
+                                      dtype=torch.bfloat16)  # skip_init: no random init to undo
             copy.weight.data = linear.weight.detach().to(torch.bfloat16)
             if onednn_supports(torch.bfloat16) is None:
                 self.dense = PackedLinear(copy, keep_dense=False)
