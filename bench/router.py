@@ -136,15 +136,16 @@ def row(result: MethodResult, plain: MethodResult, prompts: list[Prompt], c: int
 def run(config: Config, drafts: tuple[str, str], levels: list[int], nodes: int,
         compute: Executor, methods: list[str] | None,
         hf_methods: tuple[str, ...] = ("plain", "hf-assisted", "hf-prompt-lookup"),
-        save=lambda report: None, min_probability: float = 0.6) -> dict:
+        save=lambda report: None, min_probability: float = 0.6, draft_vocab: int = 0) -> dict:
     """`save(report)` is called after every method: a long run interrupted keeps what it did."""
-    settings = Settings(model=config.model, dtype=config.dtype).with_overrides(**{
+    settings = Settings(model=config.model, dtype=config.dtype,
+                        draft_vocab=draft_vocab).with_overrides(**{
         "speculation.depth": config.depth, "speculation.width": config.width,
         "speculation.min_probability": min_probability})
     tokenizer = models.load_tokenizer(models.resolve(config.model, settings.cache_dir))
     prompts = load_prompts(config, tokenizer)
     report = {"config": asdict(config), "drafts": list(drafts), "nodes": nodes,
-              "min_probability": min_probability,
+              "min_probability": min_probability, "draft_vocab": draft_vocab,
               "prompts": [p.name for p in prompts], "levels": {}}
     hf = compute.submit(run_hf_methods, replace(config, draft=drafts[0]), prompts,
                         ("plain", *[m for m in hf_methods if m != "plain"]), 10).result()
@@ -171,7 +172,8 @@ def markdown(report: dict) -> str:
     lines = [f"### {c['model']} target, {c['dtype']}, drafts {', '.join(report['drafts'])} + "
              f"the datastore, depth {c['depth']} (stop below p "
              f"{report.get('min_probability', 0)}), {report['nodes']} nodes, "
-             f"{len(report['prompts'])} prompts x {c['max_tokens']} tokens"]
+             f"{len(report['prompts'])} prompts x {c['max_tokens']} tokens"
+             + (f", draft vocabulary {report['draft_vocab']}" if report.get("draft_vocab") else "")]
     for level, rows in report["levels"].items():
         classes = sorted({k for r in rows for k in r["classes"]})
         lines += ["", f"Batch {level}:", "",
@@ -209,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-probability", type=float, default=0.6,
                         help="draft models' confidence stop (speculation.min_probability) [0.6]")
     parser.add_argument("--nodes", type=int, default=12, help="node budget per step [12]")
+    parser.add_argument("--draft-vocab", type=int, default=0, help="the mesh's draft models "
+                        "propose only the N most frequent tokens (FR-Spec, draft_vocab) [0: all]")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8],
                         help="requests in flight [1 8]")
     parser.add_argument("--methods", nargs="+", help="only these specmesh methods")
@@ -243,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             (RESULTS / f"{name}.json").write_text(json.dumps(full, indent=2))
             (RESULTS / f"{name}.md").write_text(markdown(full))
     save(run(config, drafts, args.concurrency, args.nodes, compute, args.methods,
-             tuple(m for m in args.hf_methods if m != "none"), save, args.min_probability),
+             tuple(m for m in args.hf_methods if m != "none"), save, args.min_probability,
+             args.draft_vocab),
          final=True)
     compute.shutdown()
     return 0

@@ -32,6 +32,20 @@ async def generate_all(mesh, questions, concurrency=8):
     return await asyncio.gather(*(one(q) for q in questions))
 
 
+def assert_lossless_with_drafts(settings, questions, references, compute, concurrency=4):
+    """The questions through an embedded mesh of `settings`: every output is the target's own
+    greedy output, and the drafts were used (drafted tokens, >30% of them accepted)."""
+    async def run():
+        async with EmbeddedMesh.start(settings, compute) as mesh:
+            return await generate_all(mesh, questions, concurrency=concurrency)
+    responses = asyncio.run(run())
+    assert_target_tokens(responses, references)
+    drafted = sum(r.stats.draft_tokens for r in responses)
+    accepted = sum(r.stats.accepted_tokens for r in responses)
+    assert drafted > 0 and accepted > 0.3 * drafted, (accepted, drafted)
+    return responses
+
+
 def test_embedded_greedy_equals_target_generate(base_settings, questions, hf_greedy_reference,
                                                compute):
     settings = base_settings.with_overrides(

@@ -4,8 +4,6 @@ quantized draft == the target's own greedy output (the draft only guesses; the f
 decides every token)."""
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 from torch import nn
@@ -15,8 +13,7 @@ from kernels.linear import (INT4_GROUP, Int4Linear, Int8Linear, PackedLinear, cp
                             quantize_linears)
 from services.drafter.engine import DraftModel
 from services.drafter.models import DraftSpec, build_draft_models
-from services.embedded import EmbeddedMesh
-from test_lossless_greedy import assert_target_tokens, generate_all  # noqa: E402
+from test_lossless_greedy import assert_lossless_with_drafts  # noqa: E402
 
 needs_int8 = pytest.mark.skipif(int8_supports() is not None,
                                 reason=f"no int8 kernels here: {int8_supports()}")
@@ -201,12 +198,4 @@ def test_quantized_draft_greedy_equals_target_generate(weights, base_settings, q
     of width 2 and depth 3: every output == the target's own `generate(do_sample=False)`."""
     settings = base_settings.with_overrides(
         drafters=[f"layers:30@{weights}"], **{"speculation.depth": 3, "speculation.width": 2})
-
-    async def run():
-        async with EmbeddedMesh.start(settings, compute) as mesh:
-            return await generate_all(mesh, questions[:8], concurrency=4)
-    responses = asyncio.run(run())
-    assert_target_tokens(responses, hf_greedy_reference)
-    drafted = sum(r.stats.draft_tokens for r in responses)
-    accepted = sum(r.stats.accepted_tokens for r in responses)
-    assert drafted > 0 and accepted > 0.3 * drafted, (accepted, drafted)
+    assert_lossless_with_drafts(settings, questions[:8], hf_greedy_reference, compute)

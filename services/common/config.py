@@ -129,6 +129,9 @@ class Settings(BaseSettings):
         description="draft models: 'layers:N' (first N layers of the target) or a model name/dir, "
                     "optionally '@int8' or '@int4' (quantized weights); empty = the target's "
                     "default draft")
+    draft_vocab: int = Field(0, ge=0, description="draft models' LM heads over the N most "
+                             "frequent tokens of the datastore's corpus (FR-Spec: a cheaper "
+                             "drafting forward, the output unchanged); 0 = the whole vocabulary")
     speculation: SpeculationSettings = Field(default_factory=SpeculationSettings)
     cache_dir: Path = Field(Path.home() / ".cache" / "specmesh", description="converted weights")
     run_dir: Path | None = Field(None, description="state and logs of `specmesh up` "

@@ -16,11 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.linear import quantize_linears
+from kernels.linear import pack_linears, quantize_linears
 from services.common import models
 from services.common.config import Settings
 from services.common.lm import CausalLM
 from services.drafter.engine import DraftModel
+from services.drafter.vocab import frequent_tokens, restrict_vocab, token_counts
 
 log = logging.getLogger(__name__)
 
@@ -63,17 +64,43 @@ class DraftSpec:
 
 def load_draft(spec: DraftSpec, settings: Settings, target_path):
     """The transformers model of a draft spec, in the configured dtype or with int8 / int4
-    weights (a float32 model whose linears are quantized). No tokenizer check (the caller's)."""
+    weights (a float32 model whose linears are quantized), its LM head cut to the
+    `draft_vocab` most frequent tokens when set (vocab.py). No tokenizer check (the caller's)."""
+    keep = draft_vocabulary(settings, target_path) if settings.draft_vocab else None
     if spec.weights in WEIGHTS:
         dtype, linear = torch.float32, "torch"
     else:
         dtype, linear = models.resolve_dtype(settings.dtype), settings.linear
     path = target_path if spec.layers is not None else models.resolve(spec.base,
                                                                        settings.cache_dir)
-    model = models.load_model(path, dtype, num_layers=spec.layers, linear=linear)
+    model = models.load_model(path, dtype, num_layers=spec.layers,
+                              linear="torch" if keep is not None else linear)
+    if keep is not None:
+        restrict_vocab(model, keep)
+        pack_linears(model, linear)
     if spec.weights in WEIGHTS:
         quantize_linears(model, spec.weights)
     return model
+
+
+def draft_vocabulary(settings: Settings, target_path) -> torch.Tensor:
+    """The `draft_vocab` most frequent token ids of the target's datastore corpus, plus the
+    tokenizer's special tokens (vocab.py)."""
+    from services.datastore.engine import open_for_target  # the datastore's files, not its service
+
+    tokenizer = models.load_tokenizer(target_path)
+    try:
+        store = open_for_target(settings, tokenizer)
+    except (FileNotFoundError, ValueError) as exc:
+        raise ValueError(f"draft_vocab={settings.draft_vocab} counts tokens in the datastore's "
+                         f"corpus: {exc}") from None
+    vocab_size = models.load_config(target_path).vocab_size
+    counts = token_counts(store.path / "tokens.u32", vocab_size)
+    keep = frequent_tokens(counts, settings.draft_vocab, tokenizer.all_special_ids)
+    covered = counts[keep.numpy()].sum() / max(1, counts.sum())
+    log.info("draft vocabulary: %d of %d tokens (%.1f%% of the corpus's tokens)", keep.numel(),
+             vocab_size, 100 * covered)
+    return keep
 
 
 def build_draft_models(settings: Settings) -> list[DraftModel]:
