@@ -32,12 +32,17 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", help="target model: a known name (specmesh models list) or a local "
                                    "Hugging Face directory [default: smollm2-135m]")
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16"],
-                   help="weights dtype; auto = bfloat16 where the CPU/GPU runs it natively")
+                   help="weights dtype; auto = bfloat16 where the CPU/GPU runs it natively or "
+                        "FBGEMM's fp16 kernel runs its linear layers (x86), else float32")
     g.add_argument("--draft", action="append", dest="drafters", metavar="SPEC",
                    help="draft model: layers:N (the target's first N layers) or a model name/dir, "
                         "optionally with @int8 or @int4 (quantized weights: about half the "
                         "drafting time on a CPU, the output unchanged); repeatable [default: "
                         "the target's preset]")
+    g.add_argument("--draft-vocab", type=int, metavar="N",
+                   help="draft models propose only the N most frequent tokens of the "
+                        "datastore's corpus (FR-Spec: a cheaper drafting forward, the output "
+                        "unchanged; needs the datastore) [0 = the whole vocabulary]")
     g.add_argument("--depth", type=int, help="speculation length: draft tokens per path [3]")
     g.add_argument("--width", type=int, help="tree width: nodes kept per level, 1 = chain [1]")
     g.add_argument("--min-probability", type=float, metavar="P",
@@ -112,6 +117,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
     get = lambda name: getattr(args, name, None)  # noqa: E731
     return Settings().with_overrides(
         model=get("model"), dtype=get("dtype"), drafters=get("drafters"),
+        draft_vocab=get("draft_vocab"),
         cache_dir=get("cache_dir"), log_level=get("log_level"), redis_url=get("redis_url"),
         host=get("host"), port=get("port"), router_address=get("router_address"),
         drafter_address=get("drafter_address"),

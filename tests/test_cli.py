@@ -93,3 +93,14 @@ def test_ctrl_c_on_up_stops_everything(cli_env, tmp_path):
             os.killpg(up.pid, signal.SIGKILL)
     assert wait_gone(pids) == [], "processes survived Ctrl-C"
     assert not (tmp_path / "run" / "stack.json").exists()
+
+
+def test_model_flags_become_settings():
+    from services.cli import build_parser, settings_from
+
+    args = build_parser().parse_args(["run", "hi", "--draft-vocab", "4096", "--dtype", "float32",
+                                      "--draft", "layers:8@int4"])
+    settings = settings_from(args)
+    assert (settings.draft_vocab, settings.dtype, settings.drafters) == (4096, "float32",
+                                                                         ["layers:8@int4"])
+    assert settings_from(build_parser().parse_args(["run", "hi"])).draft_vocab == 0
