@@ -107,7 +107,7 @@ def onednn_supports(dtype: torch.dtype) -> str | None:
 
 
 class Fp16Linear(nn.Module):
-    """y = x W^T + b for bf16 (or float32) weights on CPUs without bf16 arithmetic: W is stored
+    """y = x W^T + b for bf16 weights on CPUs without bf16 arithmetic: W is stored
     as float16 and multiplied by FBGEMM's fp16-weight GEMM (`quantized::linear_dynamic_fp16`),
     which converts weight tiles to float32 in registers (F16C) and accumulates in float32.
     The input is taken in its own dtype, multiplied in float32, and returned in that dtype.
@@ -201,24 +201,31 @@ def pack_linears(model: nn.Module, backend: str = "auto") -> int:
     if not linears:
         return 0
     weight = linears[0][1].weight
-    device = None if weight.device.type == "cpu" else f"weights on {weight.device.type}"
-    layer, how = PackedLinear, "packed for oneDNN"
-    reason = device or (onednn_supports(weight.dtype) if backend != "fp16" else "fp16 asked")
-    if reason is not None and backend in ("auto", "fp16") and weight.dtype == torch.bfloat16:
-        fp16_reason = device or fp16_supports() or next(
-            (f"{name}: {why}" for name, m in linears
-             if (why := fp16_weight_error(m.weight)) is not None), None)
-        if fp16_reason is None:
-            layer, how, reason = Fp16Linear, "float16 for FBGEMM", None
-        else:
-            reason = fp16_reason if backend == "fp16" else f"{reason}; fp16: {fp16_reason}"
+    dtype = weight.dtype
+
+    def fp16_reason() -> str | None:
+        if dtype != torch.bfloat16:
+            return f"fp16 holds bf16 weights, the model is {dtype}"
+        return fp16_supports() or next((f"{name}: {why}" for name, m in linears
+                                        if (why := fp16_weight_error(m.weight)) is not None),
+                                       None)
+
+    if weight.device.type != "cpu":
+        layer, reason = PackedLinear, f"weights on {weight.device.type}"
     elif backend == "fp16":
-        reason = reason if device else f"fp16 holds bf16 weights, the model is {weight.dtype}"
+        layer, reason = Fp16Linear, fp16_reason()
+    else:  # onednn, or auto: oneDNN where it runs the dtype, else FBGEMM's fp16 for bf16
+        layer, reason = PackedLinear, onednn_supports(dtype)
+        if reason is not None and backend == "auto" and dtype == torch.bfloat16:
+            why = fp16_reason()
+            layer, reason = (Fp16Linear, None) if why is None else (layer, f"{reason}; fp16: {why}")
     if reason is not None:
         if backend != "auto":
-            raise RuntimeError(f"linear backend '{backend}' cannot run {weight.dtype}: {reason}")
+            raise RuntimeError(f"linear backend '{backend}' cannot run {dtype}: {reason}")
         log.info("linear layers: torch (%s)", reason)
         return 0
+    how = "packed for oneDNN" if layer is PackedLinear else "float16 for FBGEMM"
+
     def build(module: nn.Linear) -> nn.Module:
         with torch.inference_mode(False), torch.no_grad():
             # Fp16Linear's weights were checked above
@@ -232,7 +239,7 @@ def pack_linears(model: nn.Module, backend: str = "auto") -> int:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, new)
-    log.info("linear layers: %d %s (%s)", len(linears), how, weight.dtype)
+    log.info("linear layers: %d %s (%s)", len(linears), how, dtype)
     return len(linears)
 
 
@@ -355,13 +362,12 @@ class Int4Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
+        dense = ""
+        if self.dense is not None:
+            kind = "bf16" if isinstance(self.dense, PackedLinear) else "fp16"
+            dense = f", {kind} for >= {self.dense_rows} rows"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, weight=int4 in groups of {self.group_size}"
-                f"{f', {self.dense_kind} for >= {self.dense_rows} rows' if self.dense else ''}")
-
-    @property
-    def dense_kind(self) -> str:
-        return "bf16" if isinstance(self.dense, PackedLinear) else "fp16"
+                f"bias={self.bias is not None}, weight=int4 in groups of {self.group_size}{dense}")
 
 
 def int4_supports() -> str | None:
