@@ -62,11 +62,11 @@ class DraftSpec:
         return cls(base, weights or None, layers)
 
 
-def load_draft(spec: DraftSpec, settings: Settings, target_path):
+def load_draft(spec: DraftSpec, settings: Settings, target_path,
+               keep: torch.Tensor | None = None):
     """The transformers model of a draft spec, in the configured dtype or with int8 / int4
-    weights (a float32 model whose linears are quantized), its LM head cut to the
-    `draft_vocab` most frequent tokens when set (vocab.py). No tokenizer check (the caller's)."""
-    keep = draft_vocabulary(settings, target_path) if settings.draft_vocab else None
+    weights (a float32 model whose linears are quantized), its LM head cut to the token ids
+    `keep` when given (`draft_vocabulary`, vocab.py). No tokenizer check (the caller's)."""
     if spec.weights in WEIGHTS:
         dtype, linear = torch.float32, "torch"
     else:
@@ -106,6 +106,8 @@ def draft_vocabulary(settings: Settings, target_path) -> torch.Tensor:
 def build_draft_models(settings: Settings) -> list[DraftModel]:
     target_path = models.resolve(settings.model, settings.cache_dir)
     target_vocab = None
+    # one vocabulary for every draft: the target's tokens, counted once
+    keep = draft_vocabulary(settings, target_path) if settings.draft_vocab else None
     out = []
     for name in draft_specs(settings):
         spec = DraftSpec.parse(name)
@@ -119,7 +121,7 @@ def build_draft_models(settings: Settings) -> list[DraftModel]:
             if models.load_tokenizer(path).get_vocab() != target_vocab:
                 raise ValueError(f"draft model '{spec.base}' does not share the tokenizer of the "
                                  f"target '{settings.model}': drafts must use the same token ids")
-        lm = CausalLM(load_draft(spec, settings, target_path), label)
+        lm = CausalLM(load_draft(spec, settings, target_path, keep), label)
         out.append(DraftModel(lm, label, "truncated" if spec.layers is not None else "model"))
         out[-1].measure()
         log.info("draft model %s: %d layers, %s, %.1f ms per drafting forward", out[-1].name,

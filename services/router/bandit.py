@@ -109,6 +109,14 @@ def _rates(stats: np.ndarray, unseen: float = 0.0) -> np.ndarray:
                      where=n > 0)
 
 
+def _with_request(served: np.ndarray, best: np.ndarray, stats: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """(requests served, best request goodput) per drafter, counting one more request's
+    [3, M] table on the drafters it was observed on (deviation 9)."""
+    seen = stats[2] > 0
+    return served + seen, np.where(seen, np.maximum(best, _rates(stats)), best)
+
+
 @dataclass(frozen=True)
 class DrafterSpec:
     """One kind of drafter (an arm): `replicas` instances, each batching `capacity` requests."""
@@ -358,12 +366,9 @@ class LBSS:
         if not self.retire_after or not (self._drafter_stats[2] > 0).any():
             return set()
         best = _rates(self._drafter_stats, -np.inf).max()
-        served, best_request = self._served.copy(), self._best_request.copy()
+        served, best_request = self._served, self._best_request
         for stats in self._stats.values():  # live requests count with their goodputs so far
-            seen = stats[2] > 0
-            served += seen
-            best_request = np.where(seen, np.maximum(best_request, _rates(stats)),
-                                    best_request)
+            served, best_request = _with_request(served, best_request, stats)
         return {d.name for j, d in enumerate(self.drafters)
                 if served[j] >= self.retire_after and best_request[j] < best}
 
@@ -502,10 +507,8 @@ class LBSS:
         """Forget a finished request (its drafter-level contribution stays)."""
         stats = self._stats.get(request_id)
         if stats is not None:
-            seen = stats[2] > 0
-            self._served += seen
-            self._best_request = np.where(
-                seen, np.maximum(self._best_request, _rates(stats)), self._best_request)
+            self._served, self._best_request = _with_request(self._served, self._best_request,
+                                                             stats)
             self._retired = None
         for table in (self._stats, self._context, self._home, self._plan, self._draws):
             table.pop(request_id, None)
