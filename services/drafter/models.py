@@ -2,12 +2,13 @@
 
 A spec is `layers:N` (the target's first N layers + its final norm and LM head: works for any
 target) or a model name / local HF directory sharing the target's tokenizer, optionally followed
-by `@int8` or `@int4`: the draft runs with int8 weights (FBGEMM, dynamically quantized
+by `@int8`, `@int4` or `@auto`: the draft runs with int8 weights (FBGEMM, dynamically quantized
 activations) or 4-bit weights in groups of 32 (torch's CPU int4 kernel), float32 around them
 (kernels/linear.py, `quantize_linears`): about half the time per drafting forward of bf16 weights
 on a CPU. int4 guesses nearly as well as float32 (int8's activation rounding costs more: see
-kernels/linear.py). The spec, suffix included, is the draft's name (a router arm): the same
-model with and without `@int4` is two drafters of different cost.
+kernels/linear.py), but its kernel is fast only on AVX512 CPUs; `@auto` takes int4 there and
+int8 elsewhere (`kernels.linear.draft_weights`). The spec, suffix included, is the draft's name
+(a router arm): the same model with and without `@int4` is two drafters of different cost.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.linear import pack_linears, quantize_linears
+from kernels.linear import draft_weights, pack_linears, quantize_linears
 from services.common import models
 from services.common.config import Settings
 from services.common.lm import CausalLM
@@ -33,7 +34,7 @@ def draft_specs(settings: Settings) -> list[str]:
     return [source.default_draft if source else "layers:8"]
 
 
-WEIGHTS = ("int8", "int4")  # what may follow '@' in a spec
+WEIGHTS = ("int8", "int4", "auto")  # what may follow '@' in a spec
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class DraftSpec:
     """A parsed draft spec: `base` (layers:N or a model name/dir) and its weights."""
 
     base: str
-    weights: str | None = None  # None: the configured dtype; "int8" | "int4"
+    weights: str | None = None  # None: the configured dtype; "int8" | "int4" | "auto"
     layers: int | None = None  # layers:N
 
     @classmethod
@@ -61,13 +62,19 @@ class DraftSpec:
                                  f"integer") from None
         return cls(base, weights or None, layers)
 
+    def quantized(self) -> str | None:
+        """The draft's quantized weights here ("int8" / "int4"; `auto` resolved for this CPU),
+        None for the configured dtype."""
+        return draft_weights() if self.weights == "auto" else self.weights
+
 
 def load_draft(spec: DraftSpec, settings: Settings, target_path,
                keep: torch.Tensor | None = None):
     """The transformers model of a draft spec, in the configured dtype or with int8 / int4
     weights (a float32 model whose linears are quantized), its LM head cut to the token ids
     `keep` when given (`draft_vocabulary`, vocab.py). No tokenizer check (the caller's)."""
-    if spec.weights in WEIGHTS:
+    weights = spec.quantized()
+    if weights is not None:
         dtype, linear = torch.float32, "torch"
     else:
         dtype, linear = models.resolve_dtype(settings.dtype), settings.linear
@@ -78,8 +85,8 @@ def load_draft(spec: DraftSpec, settings: Settings, target_path,
     if keep is not None:
         restrict_vocab(model, keep)
         pack_linears(model, linear)
-    if spec.weights in WEIGHTS:
-        quantize_linears(model, spec.weights)
+    if weights is not None:
+        quantize_linears(model, weights)
     return model
 
 
@@ -125,5 +132,5 @@ def build_draft_models(settings: Settings) -> list[DraftModel]:
         out.append(DraftModel(lm, label, "truncated" if spec.layers is not None else "model"))
         out[-1].measure()
         log.info("draft model %s: %d layers, %s, %.1f ms per drafting forward", out[-1].name,
-                 out[-1].lm.num_layers, spec.weights or lm.dtype, 1e3 * out[-1].level_seconds)
+                 out[-1].lm.num_layers, spec.quantized() or lm.dtype, 1e3 * out[-1].level_seconds)
     return out

@@ -35,6 +35,10 @@ Deviations from ProPD, each for a reason:
   verifier's forward time alone: ProPD's drafts are Medusa heads, nearly free; ours are draft
   models and a lookup service, whose cost the choice must see. With n = 0 nothing is drafted,
   so T(0) is exactly the cost of plain decoding through the verifier.
+- T(n) and V(rows) are `StepTimeModel.curve`: a size's own EMA where it was measured
+  recently, the recency-weighted line only for the sizes not run lately. Costs that grow in
+  steps (FBGEMM's fp16 GEMM takes rows in blocks of 6 on AVX2) are misread by a line, which
+  put the adaptive arm at 1.29x plain where the fixed chain made 1.52x (Qwen 1.5B bf16, AVX2).
 - The choice is recomputed every step, not only when batch size or context length change:
   the profile is per request and moves every step, and the greedy best-tree scan costs
   ~0.1 ms against steps of tens of milliseconds.
@@ -193,7 +197,7 @@ class TreeSizing:
         """Seconds of a step shared with `others` as a function of this request's tree size n:
         the verifier's pass over everyone's rows plus everyone's drafting,
         V(others' rows + 1 + n) + others' drafting + D(n). None until both are measured."""
-        verify = self.verify_times.fit() if self.verify_times is not None else None
+        verify = self.verify_times.curve() if self.verify_times is not None else None
         draft = self.draft_times.estimate() or self.draft_prior
         if verify is None or draft is None:
             return None
@@ -254,7 +258,7 @@ class RequestSizing:
             cost = self.shared.batch_cost(others)
             base = others.tokens + 1.0
         else:
-            cost = self.shared.time_model(bucket_of(in_flight)).fit()
+            cost = self.shared.time_model(bucket_of(in_flight)).curve()
             base = 1.0
         if cost is None:
             return True
@@ -275,10 +279,10 @@ class RequestSizing:
                 return None
             choice = best_size(curve, cost, 0, others.tokens)
         else:
-            fit = shared.time_model(bucket_of(in_flight)).fit()
-            if fit is None:
+            cost = shared.time_model(bucket_of(in_flight)).curve()
+            if cost is None:
                 return None
-            choice = best_size(curve, fit)
+            choice = best_size(curve, cost)
         return choice.size if choice is not None else shared.config.default_size
 
     def would_speculate(self, in_flight: int, others: BatchShare = BatchShare()) -> bool:
