@@ -202,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     parser.add_argument("--drafts", nargs=2, metavar="SPEC", help="the two draft models "
-                        "[per model: smollm2 layers:8 layers:20; qwen 1.5b: the 0.5b@auto, layers:8]")
+                        "[per model: smollm2 layers:8 layers:20; qwen 1.5b: the 0.5b@auto, "
+                        "layers:8]")
     parser.add_argument("--mtbench", type=int, default=16, help="MT-Bench questions [16]")
     parser.add_argument("--humaneval", type=int, default=8, help="HumanEval problems [8]")
     parser.add_argument("--max-tokens", type=int, default=128)

@@ -165,8 +165,9 @@ def run_hf_methods(config: Config, prompts: list[Prompt],
 
 
 def _load_draft(config: Config, settings: Settings, target_path):
-    """The assistant model of a draft spec, quantized weights included (`@int8`, `@int4`, `@auto`: the
-    same draft the mesh runs, so the comparison is of the methods, not of the drafts)."""
+    """The assistant model of a draft spec, quantized weights included (`@int8`, `@int4`,
+    `@auto`: the same draft the mesh runs, so the comparison is of the methods, not of the
+    drafts)."""
     from services.drafter.models import DraftSpec, load_draft
 
     return load_draft(DraftSpec.parse(config.draft), settings, target_path)

@@ -37,8 +37,8 @@ Deviations from ProPD, each for a reason:
   so T(0) is exactly the cost of plain decoding through the verifier.
 - T(n) and V(rows) are `StepTimeModel.curve`: a size's own EMA where it was measured
   recently, the recency-weighted line only for the sizes not run lately. Costs that grow in
-  steps (FBGEMM's fp16 GEMM takes rows in blocks of 6 on AVX2) are misread by a line, which
-  put the adaptive arm at 1.29x plain where the fixed chain made 1.52x (Qwen 1.5B bf16, AVX2).
+  steps (FBGEMM's fp16 GEMM takes rows in blocks of 6 on AVX2: 1-6 rows of the 1.5B Qwen
+  178-252 ms, 8 rows 410 ms) are misread by a line on both sides of each step.
 - The choice is recomputed every step, not only when batch size or context length change:
   the profile is per request and moves every step, and the greedy best-tree scan costs
   ~0.1 ms against steps of tens of milliseconds.
