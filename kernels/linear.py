@@ -395,8 +395,8 @@ def draft_weights() -> str | None:
     `@auto`): int4 where torch dispatches its AVX512 kernels, int8 elsewhere, None (float
     weights) where neither runs.
 
-    torch's CPU int4 GEMM is written for AVX512 only; on AVX2 it runs a generic loop that
-    unpacks ~4 GB/s: a drafting forward of the 0.5B Qwen took ~80 ms with int4, ~48 with int8
+    torch's CPU int4 GEMM kernel is vectorized for AVX512 only; on AVX2 it runs a generic loop
+    that unpacks ~4 GB/s: a drafting forward of the 0.5B Qwen took ~80 ms with int4, ~48 with int8
     (Zen 3, AVX2), against ~16 and ~18 ms on a Zen 4 with AVX512. int4 guesses better (top-1
     agreement with the 1.5B target 0.778 against 0.733 for int8 on AVX2), which does not pay
     for 1.7x the time."""
