@@ -1,0 +1,140 @@
+"""How often draft models guess the target's next token, and their time per drafting forward.
+
+For each draft spec (`@int4`, `@int8`, `@auto`, a `/full` suffix to keep the whole vocabulary
+where `--draft-vocab` restricts it): one forward of the draft over prompt + the target's own
+greedy continuation (teacher forcing), and per position whether the draft's top token is the
+target's. Reports the top-1 agreement, the expected drafted tokens a greedy chain of depth d
+would have accepted (min(run of agreements from that position, d), averaged over positions),
+per prompt class the depth-4 figure, and the draft's milliseconds per drafting forward
+(`DraftModel.measure`). This is the draft's side of the speedup, without the mesh: which draft
+weights guess well enough for their cost on this CPU.
+
+    python -m bench.agreement --draft-vocab 32768 \\
+        --drafts qwen2.5-coder-0.5b@int4 qwen2.5-coder-0.5b@int8 qwen2.5-coder-0.5b
+    python -m bench.agreement --quick                  # 3 + 1 prompts x 16 tokens
+Writes bench/results/agreement-<model>-<dtype>[-<tag>].json and .md (run it alone on the machine).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+from collections import defaultdict
+
+import torch
+from tqdm.auto import tqdm
+
+from bench.batch import header
+from bench.run import Config, load_prompts, save_report
+from services.common import models
+from services.common.config import Settings
+from services.common.lm import CausalLM
+from services.drafter.engine import DraftModel
+from services.drafter.models import DraftSpec, draft_vocabulary, load_draft
+
+DEPTHS = (2, 4, 8)
+
+
+def accepted_runs(agree: list[bool], depth: int) -> list[int]:
+    """Per position: the drafted tokens a chain of `depth` started there would have had
+    accepted (consecutive agreements, at most `depth`)."""
+    out = []
+    for i in range(len(agree)):
+        k = 0
+        while k < depth and i + k < len(agree) and agree[i + k]:
+            k += 1
+        out.append(k)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b", help="the target")
+    parser.add_argument("--dtype", default="bfloat16", choices=["auto", "bfloat16", "float32"],
+                        help="the target's dtype and that of unquantized drafts [bfloat16]")
+    parser.add_argument("--drafts", nargs="+", metavar="SPEC",
+                        default=["qwen2.5-coder-0.5b@int4", "qwen2.5-coder-0.5b@int8"],
+                        help="draft specs; SPEC/full keeps the whole vocabulary")
+    parser.add_argument("--draft-vocab", type=int, default=0,
+                        help="restrict the drafts' heads to the N most frequent tokens [0: all]")
+    parser.add_argument("--mtbench", type=int, default=16, help="MT-Bench questions [16]")
+    parser.add_argument("--humaneval", type=int, default=8, help="HumanEval problems [8]")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--quick", action="store_true", help="3 + 1 prompts x 16 tokens")
+    parser.add_argument("--tag", default="", help="suffix of the result files")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.mtbench, args.humaneval, args.max_tokens = 3, 1, 16
+    dtype = models.resolve_dtype(args.dtype)
+    settings = Settings(model=args.model, dtype=str(dtype).removeprefix("torch."),
+                        draft_vocab=args.draft_vocab)
+    target_path = models.resolve(args.model, settings.cache_dir)
+    tokenizer = models.load_tokenizer(target_path)
+    config = Config(args.model, "", settings.dtype, mtbench=args.mtbench,
+                    humaneval=args.humaneval, max_tokens=args.max_tokens)
+    prompts = load_prompts(config, tokenizer)
+
+    target = models.load_model(target_path, dtype)
+    outputs = []
+    with torch.inference_mode():
+        for p in tqdm(prompts, desc="target greedy", leave=False):
+            x = torch.tensor([p.ids])
+            out = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                  max_new_tokens=args.max_tokens,
+                                  pad_token_id=tokenizer.eos_token_id)
+            outputs.append(out[0, len(p.ids):].tolist())
+    del target
+    gc.collect()
+
+    keep = draft_vocabulary(settings, target_path) if args.draft_vocab else None
+    rows = []
+    for name in tqdm(args.drafts, desc="drafts", leave=False):
+        base, _, suffix = name.partition("/")
+        spec = DraftSpec.parse(base)
+        model = load_draft(spec, settings, target_path, None if suffix == "full" else keep)
+        draft = DraftModel(CausalLM(model, name), name, "model")
+        ms = 1e3 * draft.measure()
+        hits = total = 0
+        runs: dict[int, list[int]] = defaultdict(list)
+        by_class: dict[str, list[int]] = defaultdict(list)
+        with torch.inference_mode():
+            for p, target_out in zip(prompts, outputs):
+                if not target_out:
+                    continue
+                logits = model(torch.tensor([p.ids + target_out])).logits[0]
+                guess = logits[len(p.ids) - 1:-1].argmax(-1).tolist()
+                agree = [a == b for a, b in zip(guess, target_out)]
+                hits, total = hits + sum(agree), total + len(agree)
+                for d in DEPTHS:
+                    runs[d] += accepted_runs(agree, d)
+                by_class[p.category] += accepted_runs(agree, 4)
+        rows.append({"draft": name, "weights": spec.quantized() or settings.dtype,
+                     "ms_per_forward": ms, "top1": hits / max(total, 1),
+                     "accepted": {d: sum(v) / max(len(v), 1) for d, v in runs.items()},
+                     "accepted_d4_by_class": {c: sum(v) / len(v) for c, v in by_class.items()}})
+        del draft, model
+        gc.collect()
+
+    name = f"agreement-{args.model}-{settings.dtype}" + (f"-{args.tag}" if args.tag else "")
+    report = {"config": vars(args), "prompts": [p.name for p in prompts], "drafts": rows}
+    classes = sorted({c for r in rows for c in r["accepted_d4_by_class"]})
+    lines = [header(f"draft agreement with {args.model} ({settings.dtype}), {len(prompts)} "
+                    f"prompts x {args.max_tokens} tokens"
+                    + (f", draft vocabulary {args.draft_vocab}" if args.draft_vocab else ""),
+                    args.quick),
+             "", "| draft | weights | ms / forward | top-1 | "
+             + " | ".join(f"accepted d{d}" for d in DEPTHS) + " | "
+             + " | ".join(f"{c} d4" for c in classes) + " |",
+             "|---|---|---:|---:|" + "---:|" * (len(DEPTHS) + len(classes))]
+    for r in rows:
+        lines.append(f"| {r['draft']} | {r['weights']} | {r['ms_per_forward']:.1f} | "
+                     f"{r['top1']:.3f} | "
+                     + " | ".join(f"{r['accepted'][d]:.2f}" for d in DEPTHS) + " | "
+                     + " | ".join(f"{r['accepted_d4_by_class'].get(c, 0):.2f}" for c in classes)
+                     + " |")
+    save_report(name, report, "\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
