@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from bench.batch import header
-from bench.run import Config, load_prompts, save_report
+from bench.run import Config, _hf_generate, load_prompts, save_report
 from services.common import models
 from services.common.config import Settings
 from services.common.lm import CausalLM
@@ -75,14 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = load_prompts(config, tokenizer)
 
     target = models.load_model(target_path, dtype)
-    outputs = []
-    with torch.inference_mode():
-        for p in tqdm(prompts, desc="target greedy", leave=False):
-            x = torch.tensor([p.ids])
-            out = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                                  max_new_tokens=args.max_tokens,
-                                  pad_token_id=tokenizer.eos_token_id)
-            outputs.append(out[0, len(p.ids):].tolist())
+    outputs = [_hf_generate(target, p.ids, args.max_tokens, tokenizer.eos_token_id, {})
+               for p in tqdm(prompts, desc="target greedy", leave=False)]
     del target
     gc.collect()
 

@@ -390,6 +390,7 @@ def int4_supports() -> str | None:
     return probe(Int4Linear, 64)
 
 
+@functools.cache
 def draft_weights() -> str | None:
     """The quantized weights a draft model runs fastest with on this CPU (a draft spec's
     `@auto`): int4 where torch dispatches its AVX512 kernels, int8 elsewhere, None (float
@@ -399,7 +400,7 @@ def draft_weights() -> str | None:
     that unpacks ~4 GB/s: a drafting forward of the 0.5B Qwen took ~80 ms with int4, ~48 with int8
     (Zen 3, AVX2), against ~16 and ~18 ms on a Zen 4 with AVX512. int4 guesses better (top-1
     agreement with the 1.5B target 0.778 against 0.733 for int8 on AVX2), which does not pay
-    for 1.7x the time."""
+    for 1.7x the time. Probed once per process."""
     if torch.backends.cpu.get_cpu_capability().startswith("AVX512") and int4_supports() is None:
         return "int4"
     if int8_supports() is None:

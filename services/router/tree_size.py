@@ -138,6 +138,10 @@ class StepTimeModel:
             return LinearCost(next(iter(self._perf.values())), 0.0)
         return self.fit()
 
+    def _weight(self, size: int) -> float:
+        """W_i = exp(-lambda o_i), o_i = observed steps since size i was last updated."""
+        return math.exp(-self.decay * (self._step - 1 - self._updated[size]))
+
     def curve(self) -> MeasuredCost | None:
         """T_est(n) for the choice: a recently measured size's own T_perf, the fitted line for
         the others; None before two distinct sizes.
@@ -152,9 +156,7 @@ class StepTimeModel:
         line = self.fit()
         if line is None:
             return None
-        measured = {i: t for i, t in self._perf.items()
-                    if math.exp(-self.decay * (self._step - 1 - self._updated[i]))
-                    >= self.fresh_weight}
+        measured = {i: t for i, t in self._perf.items() if self._weight(i) >= self.fresh_weight}
         return MeasuredCost(line, measured)
 
     def fit(self) -> LinearCost | None:
@@ -165,7 +167,7 @@ class StepTimeModel:
         if len(self._perf) < 2:
             return None
         sizes = list(self._perf)
-        w = [math.exp(-self.decay * (self._step - 1 - self._updated[i])) for i in sizes]
+        w = [self._weight(i) for i in sizes]
         y = [self._perf[i] for i in sizes]
         sw = sum(w)
         mx = sum(wi * i for wi, i in zip(w, sizes)) / sw
