@@ -367,14 +367,15 @@ class Int4Linear(nn.Module):
             raise TypeError(f"Int4Linear takes float32 input, got {x.dtype}")
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
         if self.dense is not None and flat.shape[0] >= self.dense_rows:
-            y = self.dense(flat).float()
+            y = self.dense(flat)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size,
                                                             self.scales)
-            y = y[:, :self.out_features].float()
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
+            if y.shape[1] != self.out_features:
+                y = y[:, :self.out_features]
+        # bf16 + float32 bias promotes to float32: one operation (a draft's layers are many)
+        y = y.float() if self.bias is None else torch.add(self.bias, y)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         dense = ""

@@ -83,9 +83,10 @@ def test_draft_with_a_small_vocabulary_is_lossless(base_settings, small_datastor
         **{"datastore.path": small_datastore, "speculation.depth": 3, "speculation.width": 2,
            "speculation.source": "model"})
     (draft,) = compute.submit(build_draft_models, settings).result()
-    head = draft.lm.model.lm_head
-    assert isinstance(head, SubsetHead) and isinstance(head.proj, Int4Linear)
-    kept = set(head.keep.tolist())
+    # a lean draft (lean.py): the head's rows are the subset's, its columns mapped to token ids
+    assert isinstance(draft.lm.linears["head"], Int4Linear)
+    kept = set(draft.lm.token_ids.tolist())
+    assert draft.lm.linears["head"].out_features == len(kept)
     assert 4096 <= len(kept) < 4096 + 32  # plus the tokenizer's special tokens
     tokens = list(range(1, 40))
     draft.prefill("r", tokens)

@@ -69,11 +69,19 @@ def test_verifier_cache_after_partly_rejected_tree(target_lm, chat_prompt_ids):
     assert_same_cache(target_lm, StoreView(engine, "r"), tokens[:-1])
 
 
-@pytest.fixture(scope="module")
-def draft(target_path):
+@pytest.fixture(scope="module", params=["transformers", "lean"])
+def draft(target_path, request):
+    """A 20-layer draft of the target, run by transformers' forward and by the drafter's lean
+    decoder loop (services/drafter/lean.py): every drafter test holds for both."""
+    from kernels.linear import pack_linears
     from services.common import models
+    from services.drafter.lean import LeanLM
 
-    lm = CausalLM(models.load_model(target_path, torch.float32, num_layers=20), "d")
+    if request.param == "transformers":
+        lm = CausalLM(models.load_model(target_path, torch.float32, num_layers=20), "d")
+    else:
+        model = models.load_model(target_path, torch.float32, num_layers=20, linear="torch")
+        lm = LeanLM(model, "d", prepare=pack_linears)
     return DraftModel(lm, "d", "truncated")
 
 

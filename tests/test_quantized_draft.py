@@ -208,7 +208,7 @@ def test_quantized_draft_of_the_target_guesses_like_the_float_one(weights, base_
     float_draft, quantized = compute.submit(build_draft_models, settings).result()
     assert quantized.name == f"{settings.model}:layers=30@{weights}"
     assert quantized.kind == "truncated" and isinstance(quantized, DraftModel)
-    assert isinstance(quantized.lm.model.lm_head, LINEARS[weights])
+    assert isinstance(quantized.lm.linears["head"], LINEARS[weights])  # a lean draft (lean.py)
     assert quantized.lm.dtype == torch.float32 and quantized.level_seconds > 0
 
     def guesses(draft: DraftModel, i: int) -> torch.Tensor:

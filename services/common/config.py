@@ -132,6 +132,11 @@ class Settings(BaseSettings):
     draft_vocab: int = Field(0, ge=0, description="draft models' LM heads over the N most "
                              "frequent tokens of the datastore's corpus (FR-Spec: a cheaper "
                              "drafting forward, the output unchanged); 0 = the whole vocabulary")
+    draft_runner: Literal["auto", "lean", "transformers"] = Field(
+        "auto", description="draft models' forward: lean = specmesh's decoder loop for Llama / "
+                            "Qwen2 drafts (fused products, preallocated KV rows, logits over the "
+                            "draft vocabulary only: services/drafter/lean.py); transformers = the "
+                            "model's own forward; auto = lean where the architecture allows")
     speculation: SpeculationSettings = Field(default_factory=SpeculationSettings)
     cache_dir: Path = Field(Path.home() / ".cache" / "specmesh", description="converted weights")
     run_dir: Path | None = Field(None, description="state and logs of `specmesh up` "

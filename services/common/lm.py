@@ -129,6 +129,36 @@ def model_configs(model) -> list:
                  if c is not None}.values())
 
 
+def part_layout(p: Part, device=None) -> tuple[int, int, torch.Tensor, torch.Tensor | None,
+                                                bool]:
+    """A part of `forward_many` checked and laid out for attention: (rows in its cache, new rows
+    n, position ids [n], mask [n, past + n] bool or None, causal). No mask: a causal chain
+    without past (causal True) or a single row (False)."""
+    past, n = len(p.cache), int(p.tokens.shape[0])
+    assert p.tokens.dim() == 1 and n > 0, "a part needs a 1-D, non-empty token tensor"
+    assert 0 <= p.logits_from <= n, "logits_from must be in [0, n]"
+    pos = p.positions if p.positions is not None else torch.arange(past, past + n)
+    assert pos.shape == (n,), f"positions must be [{n}], got {tuple(pos.shape)}"
+    if p.visible is not None:
+        assert p.visible.shape == (n, past + n), \
+            f"visible must be [{n}, {past + n}], got {tuple(p.visible.shape)}"
+        return past, n, pos, p.visible.to(device), False
+    if n == 1 or past == 0:
+        return past, n, pos, None, n > 1
+    # a chain after the cache: row i sees the cache and rows 0..i
+    return past, n, pos, torch.ones(n, past + n, dtype=torch.bool, device=device).tril(past), False
+
+
+def split_logits(logits: torch.Tensor, parts: Sequence[Part]) -> list[torch.Tensor]:
+    """The rows of `forward_many`'s logits that belong to each part (its rows >= logits_from)."""
+    out, at = [], 0
+    for p in parts:
+        n = int(p.tokens.shape[0]) - p.logits_from
+        out.append(logits[at:at + n])
+        at += n
+    return out
+
+
 class CausalLM:
     """A transformers causal LM in inference mode plus what the mesh needs to know about it."""
 
@@ -194,20 +224,7 @@ class CausalLM:
         assert len({id(p.cache) for p in parts}) == len(parts), "one part per cache"
         rows, tokens, positions, keep, at = [], [], [], [], 0
         for p in parts:
-            past, n = len(p.cache), int(p.tokens.shape[0])
-            assert p.tokens.dim() == 1 and n > 0, "a part needs a 1-D, non-empty token tensor"
-            assert 0 <= p.logits_from <= n, "logits_from must be in [0, n]"
-            pos = p.positions if p.positions is not None else torch.arange(past, past + n)
-            assert pos.shape == (n,), f"positions must be [{n}], got {tuple(pos.shape)}"
-            if p.visible is not None:
-                assert p.visible.shape == (n, past + n), \
-                    f"visible must be [{n}, {past + n}], got {tuple(p.visible.shape)}"
-                mask, causal = p.visible.to(self.device), False
-            elif n == 1 or past == 0:
-                mask, causal = None, n > 1
-            else:  # a chain after the cache: row i sees the cache and rows 0..i
-                mask = torch.ones(n, past + n, dtype=torch.bool, device=self.device).tril(past)
-                causal = False
+            _, n, pos, mask, causal = part_layout(p, self.device)
             rows.append(_Rows(p.cache.cache, at, at + n, mask, causal))
             tokens.append(p.tokens)
             positions.append(pos)
@@ -224,9 +241,4 @@ class CausalLM:
             logits = self.model(input_ids=ids, position_ids=pos_ids, use_cache=False,
                                 logits_to_keep=keep_rows.to(self.device),
                                 specmesh_rows=rows).logits[0].float()
-        out, at = [], 0
-        for p in parts:
-            n = int(p.tokens.shape[0]) - p.logits_from
-            out.append(logits[at:at + n])
-            at += n
-        return out
+        return split_logits(logits, parts)

@@ -60,6 +60,9 @@ class DraftModel:
         self.kind = kind  # "truncated" | "model"
         self.requests: dict[str, DraftState] = {}
         self.level_seconds = 0.0  # one drafting forward of one request (`measure`), 0 = unknown
+        # token id of each logit column where the forward returns the draft vocabulary only
+        ids = getattr(lm, "token_ids", None)
+        self.column_tokens: list[int] | None = None if ids is None else ids.tolist()
 
     def measure(self, context: int = 32, depth: int = 4, reps: int = 3) -> float:
         """Times drafting forwards of one request over a short context (a warm-up draft, then
@@ -198,17 +201,18 @@ class DraftModel:
             best, flat = torch.topk(logp.flatten(), k)
             new_nodes = []
             for score, index in zip(best.tolist(), flat.tolist()):
-                parent_slot, token = divmod(index, logp.shape[-1])
+                parent_slot, column = divmod(index, logp.shape[-1])
                 parents.append(frontier[parent_slot])
-                tokens.append(token)
+                tokens.append(column if self.column_tokens is None
+                              else self.column_tokens[column])
                 scores.append(score)
                 new_nodes.append(len(tokens) - 1)
             if level == depth:
                 break
             if min_probability > 0:
                 # the likeliest node of the level (cumulative score), given its parent
-                slot, token = divmod(int(flat[0]), logp.shape[-1])
-                if float(own[slot, token].exp()) < min_probability:
+                slot, column = divmod(int(flat[0]), logp.shape[-1])
+                if float(own[slot, column].exp()) < min_probability:
                     break
             logits = yield self._expand(state, tokens, parents, new_nodes, root_pos + level)
             frontier, frontier_scores = new_nodes, best

@@ -22,6 +22,8 @@ from services.common import models
 from services.common.config import Settings
 from services.common.lm import CausalLM
 from services.drafter.engine import DraftModel
+from services.drafter.lean import LeanLM
+from services.drafter.lean import supports as lean_supports
 from services.drafter.vocab import frequent_tokens, restrict_vocab, token_counts
 
 log = logging.getLogger(__name__)
@@ -68,26 +70,45 @@ class DraftSpec:
         return draft_weights() if self.weights == "auto" else self.weights
 
 
-def load_draft(spec: DraftSpec, settings: Settings, target_path,
-               keep: torch.Tensor | None = None):
-    """The transformers model of a draft spec, in the configured dtype or with int8 / int4
-    weights (a float32 model whose linears are quantized), its LM head cut to the token ids
-    `keep` when given (`draft_vocabulary`, vocab.py). No tokenizer check (the caller's)."""
+def linear_converter(spec: DraftSpec, settings: Settings):
+    """What turns a draft's torch linears into its kernels: int8 / int4 weights for a quantized
+    spec (`quantize_linears`), else the configured packing (`pack_linears`)."""
     weights = spec.quantized()
     if weights is not None:
-        dtype, linear = torch.float32, "torch"
-    else:
-        dtype, linear = models.resolve_dtype(settings.dtype), settings.linear
+        return lambda module: quantize_linears(module, weights)
+    return lambda module: pack_linears(module, settings.linear)
+
+
+def load_draft(spec: DraftSpec, settings: Settings, target_path,
+               keep: torch.Tensor | None = None, convert: bool = True):
+    """The transformers model of a draft spec, in the configured dtype or with int8 / int4
+    weights (a float32 model whose linears are quantized), its LM head cut to the token ids
+    `keep` when given (`draft_vocabulary`, vocab.py). `convert=False`: torch's linears left as
+    they are (float32 for a quantized spec), for `LeanLM` to fuse first. No tokenizer check
+    (the caller's)."""
+    dtype = torch.float32 if spec.quantized() is not None else models.resolve_dtype(settings.dtype)
     path = target_path if spec.layers is not None else models.resolve(spec.base,
                                                                        settings.cache_dir)
-    model = models.load_model(path, dtype, num_layers=spec.layers,
-                              linear="torch" if keep is not None else linear)
+    model = models.load_model(path, dtype, num_layers=spec.layers, linear="torch")
     if keep is not None:
         restrict_vocab(model, keep)
-        pack_linears(model, linear)
-    if weights is not None:
-        quantize_linears(model, weights)
+    if convert:
+        linear_converter(spec, settings)(model)
     return model
+
+
+def load_draft_lm(spec: DraftSpec, settings: Settings, target_path, label: str,
+                  keep: torch.Tensor | None = None) -> CausalLM | LeanLM:
+    """The draft's forward: `LeanLM` where `settings.draft_runner` and the architecture allow
+    it (lean.py), else transformers' (`CausalLM`)."""
+    model = load_draft(spec, settings, target_path, keep, convert=False)
+    reason = lean_supports(model)
+    if settings.draft_runner == "lean" and reason is not None:
+        raise ValueError(f"draft_runner=lean: {reason}")
+    if settings.draft_runner != "transformers" and reason is None:
+        return LeanLM(model, label, prepare=linear_converter(spec, settings))
+    linear_converter(spec, settings)(model)
+    return CausalLM(model, label)
 
 
 def draft_vocabulary(settings: Settings, target_path) -> torch.Tensor:
@@ -128,9 +149,11 @@ def build_draft_models(settings: Settings) -> list[DraftModel]:
             if models.load_tokenizer(path).get_vocab() != target_vocab:
                 raise ValueError(f"draft model '{spec.base}' does not share the tokenizer of the "
                                  f"target '{settings.model}': drafts must use the same token ids")
-        lm = CausalLM(load_draft(spec, settings, target_path, keep), label)
+        lm = load_draft_lm(spec, settings, target_path, label, keep)
         out.append(DraftModel(lm, label, "truncated" if spec.layers is not None else "model"))
         out[-1].measure()
-        log.info("draft model %s: %d layers, %s, %.1f ms per drafting forward", out[-1].name,
-                 out[-1].lm.num_layers, spec.quantized() or lm.dtype, 1e3 * out[-1].level_seconds)
+        log.info("draft model %s: %d layers, %s, %s forward, %.1f ms per drafting forward",
+                 out[-1].name, lm.num_layers, spec.quantized() or lm.dtype,
+                 "lean" if isinstance(lm, LeanLM) else "transformers",
+                 1e3 * out[-1].level_seconds)
     return out
