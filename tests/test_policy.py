@@ -335,3 +335,17 @@ def test_router_prices_each_arm_from_its_models_measured_cost():
                                    "speculation.source": "model"}).speculation
     assert router({"m": 0.02}, names=(), speculation=fixed).draft_prior("configured")(4) == \
         pytest.approx(0.08)
+
+
+def test_drafting_time_is_recorded_at_the_size_drafted():
+    """A confidence-stopped chain asked for 8 nodes that stopped at 3 ran 3 draft forwards:
+    its time is D(3), not D(8) (timed at the budget, every size of a self-sized chain looked
+    like the full chain's cost and a batch never found a short chain worth drafting)."""
+    sizing = TreeSizing(max_nodes=8, max_depth=8, probe_every=0, verify_times=PassTimes())
+    request = sizing.for_request()
+    request.observe(1, StepChoice(8, 3.0), chain(3), [100, 101, 102, 5], 0.3, 1, ["m"], "",
+                    draft_seconds=0.06)
+    request.observe(2, StepChoice(8, 3.0), chain(6), [100, 5], 0.3, 1, ["m"], "",
+                    draft_seconds=0.12)
+    assert sizing.draft_times._perf == {3: 0.06, 6: 0.12}
+    assert sizing.draft_times.fit()(1) == pytest.approx(0.02, abs=1e-6)

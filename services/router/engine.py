@@ -376,7 +376,8 @@ class _RequestLoop:
             arm = self.arm() if step > 0 and self.speculating else None
             choice = (self.sizing(arm).choose(in_flight, self.router.batch_share(self.request_id))
                       if arm else StepChoice(0, 1.0))
-            if choice.budget > 0 and self._self_sized(arm):
+            if (choice.budget > 0 and self._self_sized(arm)
+                    and not self.sizing(arm).batched(in_flight)):
                 choice = self._full_chain(arm, choice)
             self.router.plans[self.request_id] = (choice.budget, choice.expected_length, 0.0)
             self.draft_seconds = self.switch_seconds = 0.0

@@ -231,7 +231,7 @@ class RequestSizing:
         self._speculated += 1
         shared.choices += 1
         size = self._optimum(curve, in_flight, others)
-        if size is None and self._batched(in_flight):
+        if size is None and self.batched(in_flight):
             # bootstrap of the batch costs: one request of the arm at a time drafts the default
             # size (measuring D and a second pass size for V), the others decode plainly
             if shared.choices < shared.bootstrap_until:
@@ -254,7 +254,7 @@ class RequestSizing:
     def _could_pay(self, n: int, in_flight: int, others: BatchShare) -> bool:
         """Whether an n-node tree whose every node were accepted (n + 1 tokens) would beat
         plain decoding at the current cost model."""
-        if self._batched(in_flight):
+        if self.batched(in_flight):
             cost = self.shared.batch_cost(others)
             base = others.tokens + 1.0
         else:
@@ -264,7 +264,8 @@ class RequestSizing:
             return True
         return (base + n) * cost(0) > base * cost(n)
 
-    def _batched(self, in_flight: int) -> bool:
+    def batched(self, in_flight: int) -> bool:
+        """Whether the choice now is the batch's (others in flight, V measured per pass)."""
         return in_flight > 1 and self.shared.verify_times is not None
 
     def _optimum(self, curve: list[float], in_flight: int, others: BatchShare) -> int | None:
@@ -273,7 +274,7 @@ class RequestSizing:
         Alone: argmax E(n) / T_bucket(n) (ProPD). With others in flight: argmax
         (E_others + E(n)) / T_batch(n), the batch's rate."""
         shared = self.shared
-        if self._batched(in_flight):
+        if self.batched(in_flight):
             cost = shared.batch_cost(others)
             if cost is None:
                 return None
@@ -343,7 +344,10 @@ class RequestSizing:
                 if verify is not None and shared.verify_times is not None:
                     shared.verify_times.observe_pass(verify)
             if choice.budget > 0 and draft_seconds > 0:
-                shared.draft_times.observe(choice.budget, draft_seconds)
+                # at the size drafted: a confidence-stopped chain runs one forward per node it
+                # returns, whatever its budget (a chain asked for 8 that stopped at 3 cost 3
+                # levels); timed at the budget, every size looked like the full chain's cost
+                shared.draft_times.observe(len(tree) or choice.budget, draft_seconds)
                 shared.bootstrap_until = 0  # a bootstrap draft came back
             if shared.length is not None and choice.budget > 0:
                 shared.length.observe(step_seconds, [len(emitted) - 1])
