@@ -6,8 +6,9 @@ greedy continuation (teacher forcing), and per position whether the draft's top 
 target's. Reports the top-1 agreement, the expected drafted tokens a greedy chain of depth d
 would have accepted (min(run of agreements from that position, d), averaged over positions),
 per prompt class the depth-4 figure, and the draft's milliseconds per drafting forward
-(`DraftModel.measure`). This is the draft's side of the speedup, without the mesh: which draft
-weights guess well enough for their cost on this CPU.
+(`DraftModel.measure`). The draft runs the forward the drafter serves with (`draft_runner`:
+the lean decoder loop where it applies). This is the draft's side of the speedup, without the
+mesh: which draft weights guess well enough for their cost on this CPU.
 
     python -m bench.agreement --draft-vocab 32768 \\
         --drafts qwen2.5-coder-0.5b@int4 qwen2.5-coder-0.5b@int8 qwen2.5-coder-0.5b
@@ -27,9 +28,8 @@ from bench.batch import header
 from bench.run import Config, _hf_generate, load_prompts, save_report
 from services.common import models
 from services.common.config import Settings
-from services.common.lm import CausalLM
 from services.drafter.engine import DraftModel
-from services.drafter.models import DraftSpec, draft_vocabulary, load_draft
+from services.drafter.models import DraftSpec, draft_vocabulary, load_draft_lm
 
 DEPTHS = (2, 4, 8)
 
@@ -85,9 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in tqdm(args.drafts, desc="drafts", leave=False):
         base, _, suffix = name.partition("/")
         spec = DraftSpec.parse(base)
-        model = load_draft(spec, settings, target_path, None if suffix == "full" else keep)
-        draft = DraftModel(CausalLM(model, name), name, "model")
+        # the forward the drafter serves with (lean.py where it applies), timed and scored
+        lm = load_draft_lm(spec, settings, target_path, name, None if suffix == "full" else keep)
+        draft = DraftModel(lm, name, "model")
         ms = 1e3 * draft.measure()
+        columns = getattr(lm, "token_ids", None)  # a lean forward's logits: draft vocabulary
         hits = total = 0
         runs: dict[int, list[int]] = defaultdict(list)
         by_class: dict[str, list[int]] = defaultdict(list)
@@ -95,8 +97,9 @@ def main(argv: list[str] | None = None) -> int:
             for p, target_out in zip(prompts, outputs):
                 if not target_out:
                     continue
-                logits = model(torch.tensor([p.ids + target_out])).logits[0]
-                guess = logits[len(p.ids) - 1:-1].argmax(-1).tolist()
+                logits = lm.forward(lm.new_cache(), torch.tensor(p.ids + target_out))
+                guess = logits[len(p.ids) - 1:-1].argmax(-1)
+                guess = (guess if columns is None else columns[guess]).tolist()
                 agree = [a == b for a, b in zip(guess, target_out)]
                 hits, total = hits + sum(agree), total + len(agree)
                 for d in DEPTHS:
@@ -106,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                      "ms_per_forward": ms, "top1": hits / max(total, 1),
                      "accepted": {d: sum(v) / max(len(v), 1) for d, v in runs.items()},
                      "accepted_d4_by_class": {c: sum(v) / len(v) for c, v in by_class.items()}})
-        del draft, model
+        del draft, lm
         gc.collect()
 
     name = f"agreement-{args.model}-{settings.dtype}" + (f"-{args.tag}" if args.tag else "")
