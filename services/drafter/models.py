@@ -9,6 +9,7 @@ on a CPU. int4 guesses nearly as well as float32 (int8's activation rounding cos
 kernels/linear.py), but its kernel is fast only on AVX512 CPUs; `@auto` takes int4 there and
 int8 elsewhere (`kernels.linear.draft_weights`). The spec, suffix included, is the draft's name
 (a router arm): the same model with and without `@int4` is two drafters of different cost.
+Llama / Qwen2 drafts run through the drafter's lean decoder loop (lean.py, `draft_runner`).
 """
 from __future__ import annotations
 
