@@ -464,8 +464,10 @@ class _RequestLoop:
                 and not self._uses_datastore(arm) and not self._votes(arm))
 
     def _full_chain(self, arm: str, choice: StepChoice) -> StepChoice:
-        """Deviation from ProPD: a confidence-stopped chain is asked for the configured depth
-        (within the node budget) whenever ProPD chooses to draft. The stop is per step and per
+        """Deviation from ProPD: a confidence-stopped chain of a request alone (not a batched
+        choice: with others in flight each level costs a drafting forward and a verified row of
+        the batch's pass, and ProPD's size holds) is asked for the configured depth (within the
+        node budget) whenever ProPD chooses to draft. The stop is per step and per
         node (the draft's own certainty at each level), which the request's averaged
         acceptance profile is not: a chain cut at the ProPD size stopped at 2-4 nodes on
         HumanEval where the 0.5B Qwen's confident chains went on to 8 with ~6 accepted, and
