@@ -87,6 +87,14 @@ class TreeBatch:
         mask[:, prefix:] = block
         return mask
 
+    def padded(self, max_rows: int) -> "PaddedSegments | None":
+        """The segments with 1 .. `max_rows` new rows as one padded batch (built once per
+        forward), or None if there are none."""
+        key = ("padded", max_rows)
+        if key not in self._cache:
+            self._cache[key] = PaddedSegments.build(self, max_rows)
+        return self._cache[key]
+
     def tree_mask_u8(self) -> torch.Tensor:
         """The tree mask as uint8 [sum n_s^2] (what the Triton kernels load)."""
         if "u8" not in self._cache:
@@ -102,3 +110,50 @@ class TreeBatch:
 
 def _causal(n: int, device: torch.device) -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.bool, device=device).tril()
+
+
+@dataclass(frozen=True, eq=False)
+class PaddedSegments:
+    """Short segments (few new rows each, e.g. one tree per request) laid out as one padded
+    batch, so their attention runs as two batched matmuls instead of one kernel call each.
+
+    P segments, up to N new rows and K positions each: `slots` [P, K] their KV slots (padding
+    repeats a real slot), `rows` [P, N] their query rows in the packed batch (padding repeats
+    the segment's first row), `visible` [P, N, K] bool (padding rows see position 0 only, so
+    their softmax stays finite; their outputs are dropped), `out_rows` / `out_index` the real
+    rows: o[out_rows] = padded_output.view(P * N, ...)[out_index]."""
+
+    segments: list[int]
+    slots: torch.Tensor
+    rows: torch.Tensor
+    visible: torch.Tensor
+    out_rows: torch.Tensor
+    out_index: torch.Tensor
+
+    @staticmethod
+    def build(meta: TreeBatch, max_rows: int) -> "PaddedSegments | None":
+        picked = [s for s in range(meta.num_segments) if 1 <= meta.n(s) <= max_rows]
+        if not picked:
+            return None
+        device = meta.kv_slots.device
+        n_max = max(meta.n(s) for s in picked)
+        k_max = max(meta.kv_len(s) for s in picked)
+        slots = torch.empty(len(picked), k_max, dtype=torch.long, device=device)
+        rows = torch.empty(len(picked), n_max, dtype=torch.long, device=device)
+        visible = torch.zeros(len(picked), n_max, k_max, dtype=torch.bool, device=device)
+        out_rows, out_index = [], []
+        for p, s in enumerate(picked):
+            n, kv_len, prefix = meta.n(s), meta.kv_len(s), meta.prefix_len(s)
+            own = meta.kv_slots[meta.kv[s]:meta.kv[s + 1]]
+            slots[p, :kv_len] = own
+            slots[p, kv_len:] = own[0]
+            rows[p, :n] = torch.arange(meta.qo[s], meta.qo[s + 1], device=device)
+            rows[p, n:] = meta.qo[s]
+            visible[p, :n, :prefix] = True
+            visible[p, :n, prefix:kv_len] = meta.tree_block(s)
+            visible[p, n:, 0] = True
+            out_rows += range(meta.qo[s], meta.qo[s + 1])
+            out_index += range(p * n_max, p * n_max + n)
+        return PaddedSegments(picked, slots, rows, visible,
+                              torch.tensor(out_rows, device=device),
+                              torch.tensor(out_index, device=device))

@@ -6,7 +6,8 @@ committed prefix (all of it) and its own new rows (under the tree mask), read fr
 through the segment's slot list. Layout: see kernels/__init__.py.
 
 - `tree_attention_ref`: float32, explicit scores / mask / softmax per segment (the oracle).
-- `tree_attention_torch`: SDPA per segment in the input dtype (the CPU serving path).
+- `tree_attention_torch`: the CPU serving path: short segments (decoding steps) as one padded
+  batch of float32 matmuls, long ones (prefill chunks) by SDPA per segment in the input dtype.
 - `tree_attention_triton`: one launch of kernels/triton_kernels.py:tree_attn_kernel over
   (segment q-block, KV head) work items; triton is imported on first call only.
 All three return o: [T, H, D] in q's dtype; the fast two accept `meta=TreeBatch.build(...)`
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.metadata import TreeBatch
+from kernels.metadata import PaddedSegments, TreeBatch
 
 LOG2E = 1.4426950408889634
 
@@ -66,20 +67,38 @@ def tree_attention_ref(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_slots, tree
 
 # ---------------------------------------------------------------------------------------------
 # CPU serving path
+# Segments with at most this many new rows go through `_padded_attention`. One: with 2-8 rows
+# SDPA's CPU kernel was as fast as the padded matmuls (Qwen2.5 1.5B, bf16, 8 segments of 300
+# positions: 4-row trees 179 ms per pass either way, 1-row steps 170 ms by SDPA, 116 ms padded).
+SMALL_SEGMENT_ROWS = 1
+
+
 def tree_attention_torch(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_slots, tree_mask,
-                         mask_indptr, scale: float, meta: TreeBatch | None = None
-                         ) -> torch.Tensor:
-    """Same contract as `tree_attention_ref`, computed by SDPA per segment in q's dtype (SDPA
-    accumulates in float32 internally). One gather of all segments' K/V, then S SDPA calls."""
+                         mask_indptr, scale: float, meta: TreeBatch | None = None,
+                         small_rows: int = SMALL_SEGMENT_ROWS) -> torch.Tensor:
+    """Same contract as `tree_attention_ref`. Segments of at most `small_rows` new rows (a
+    plain decoding step: the root alone) all at once by `_padded_attention`; the others (trees,
+    prefill chunks) by SDPA per segment in q's dtype (SDPA accumulates in float32 internally).
+
+    Why not SDPA for all: torch's CPU flash kernel is built for blocks of query rows; for one
+    row over 300 positions (Qwen2.5 1.5B heads, bf16, two cores) it took 300 us per call where
+    two batched matmuls take 60 us, and it is called once per segment per layer: a verify pass
+    of eight one-row segments of 300 positions took 170 ms with it, 116 ms without."""
     meta = meta or TreeBatch.build(qo_indptr, kv_indptr, kv_slots, tree_mask, mask_indptr)
     check_inputs(q, k_cache, v_cache, meta)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [T, H, D]
+    padded = meta.padded(small_rows) if small_rows else None
+    if padded is not None:
+        _padded_attention(q, k_cache, v_cache, padded, scale, out)
+    done = set(padded.segments) if padded is not None else set()
+    if len(done) == meta.num_segments:
+        return out
     gqa = q.shape[1] != k_cache.shape[1]
     k_all = k_cache.index_select(0, meta.kv_slots)  # [sum kv_len, KVH, D]
     v_all = v_cache.index_select(0, meta.kv_slots)  # [sum kv_len, KVH, D]
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [T, H, D]
     for s, mask in enumerate(meta.sdpa_masks()):
         a, b, c, d = meta.qo[s], meta.qo[s + 1], meta.kv[s], meta.kv[s + 1]
-        if a == b:
+        if a == b or s in done:
             continue
         # one row sees its whole KV (prefix + itself): no mask at all, SDPA's cheapest path
         causal = mask is None and b - a > 1
@@ -92,6 +111,29 @@ def tree_attention_torch(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_slots, tr
             scale=scale, enable_gqa=gqa)  # [1, H, n, D]
         out[a:b] = o[0].transpose(0, 1)
     return out
+
+
+def _padded_attention(q, k_cache, v_cache, padded: PaddedSegments, scale: float,
+                      out: torch.Tensor) -> None:
+    """Short segments as one padded batch: scores and output by two batched matmuls in float32
+    (scores, softmax and the weighted sum all in float32: at least SDPA's precision, which
+    rounds the probabilities to q's dtype before the second product). Writes their rows of
+    `out`."""
+    p, n = padded.rows.shape
+    kvh, d = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // kvh
+    # [P, N, H, D] -> [P, KVH, G * N, D]: query head h = kvh * G + g reads KV head kvh
+    qs = q[padded.rows].view(p, n, kvh, group, d).permute(0, 2, 3, 1, 4)
+    qs = qs.reshape(p, kvh, group * n, d).float()
+    k = k_cache[padded.slots].permute(0, 2, 3, 1).float()  # [P, KVH, D, K]
+    v = v_cache[padded.slots].transpose(1, 2).float()  # [P, KVH, K, D]
+    scores = torch.matmul(qs, k).mul_(scale)  # [P, KVH, G * N, K]
+    scores = scores.view(p, kvh, group, n, -1).masked_fill_(
+        ~padded.visible[:, None, None], float("-inf"))
+    probs = torch.softmax(scores.view(p, kvh, group * n, -1), dim=-1)
+    o = torch.matmul(probs, v).view(p, kvh, group, n, d)  # [P, KVH, G, N, D]
+    o = o.permute(0, 3, 1, 2, 4).reshape(p * n, kvh * group, d)  # [P * N, H, D]
+    out[padded.out_rows] = o[padded.out_index].to(out.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ Run: .venv/bin/pytest tests/test_kernels.py -q --durations=10
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -111,9 +112,12 @@ CASES = {  # name: (prefixes, trees, chain segments)
     "p300-t23": ([300], [23], ()),
     "mixed": ([1, 17, 37, 300], [5, 23, 1, 23], ()),
     "prefill+tree": ([0, 17, 37], [40, 5, 23], (0, 1)),  # chain from scratch, chain on prefix
+    "decode": ([3, 300, 40, 1], [1, 1, 1, 1], ()),  # plain decoding steps: one row each
 }
 HEADS = {"gqa6-2": (6, 2), "mha4": (4, 4)}
-ATTENTION = {"torch": tree_attention_torch, "triton": tree_attention_triton}
+ATTENTION = {"torch": tree_attention_torch, "triton": tree_attention_triton,
+             # every segment of up to 64 rows through the padded batch (trees, chains, masks)
+             "torch-padded": functools.partial(tree_attention_torch, small_rows=64)}
 
 
 @pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
