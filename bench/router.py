@@ -21,6 +21,9 @@ request at a time) and c concurrent requests (`verifier.batch_size` = c):
 Per method: tok/s, speedup vs plain, accepted length (tokens per target pass, bonus counted)
 overall and per prompt class (writing, roleplay, reasoning, math, coding, extraction, stem,
 humanities, code = HumanEval), per-class speedup at batch 1, outputs identical to plain.
+Plain decoding is timed again after every specmesh method, and each method's speedup is taken
+against the mean of the plain runs just before and after it (`--no-bracket`: once per batch
+size), since a shared machine's speed drifts over a run of several minutes.
 
     python -m bench.router                                   # SmolLM2-135M, auto dtype
     python -m bench.router --model qwen2.5-coder-1.5b --dtype bfloat16 \
@@ -133,11 +136,29 @@ def row(result: MethodResult, plain: MethodResult, prompts: list[Prompt], c: int
     return out
 
 
+def bracket(before: MethodResult, after: MethodResult) -> MethodResult:
+    """The plain baseline of a method measured between two plain runs: their mean time (per
+    prompt too); outputs of the first (plain decoding is deterministic)."""
+    out = replace(before, seconds=(before.seconds + after.seconds) / 2)
+    if before.seconds_per_prompt and after.seconds_per_prompt:
+        out.seconds_per_prompt = [(a + b) / 2 for a, b in zip(before.seconds_per_prompt,
+                                                             after.seconds_per_prompt)]
+    return out
+
+
 def run(config: Config, drafts: tuple[str, str], levels: list[int], nodes: int,
         compute: Executor, methods: list[str] | None,
         hf_methods: tuple[str, ...] = ("plain", "hf-assisted", "hf-prompt-lookup"),
-        save=lambda report: None, min_probability: float = 0.6, draft_vocab: int = 0) -> dict:
-    """`save(report)` is called after every method: a long run interrupted keeps what it did."""
+        save=lambda report: None, min_probability: float = 0.6, draft_vocab: int = 0,
+        bracketed: bool = True) -> dict:
+    """`save(report)` is called after every method: a long run interrupted keeps what it did.
+
+    `bracketed`: plain decoding is timed again after every specmesh method and each method's
+    speedup is against the mean of the plain runs just before and after it. A shared 2-core
+    VM's speed drifts: the same plain run took 62 ms per token in one hour and 86 ms in the
+    next, so a baseline timed once at the start of a 15-minute run mismeasured the methods at
+    its end (mesh-plain at 0.93x where, timed alternately with `generate` prompt by prompt, it
+    ran at 1.00x)."""
     settings = Settings(model=config.model, dtype=config.dtype,
                         draft_vocab=draft_vocab).with_overrides(**{
         "speculation.depth": config.depth, "speculation.width": config.width,
@@ -150,20 +171,35 @@ def run(config: Config, drafts: tuple[str, str], levels: list[int], nodes: int,
     hf = compute.submit(run_hf_methods, replace(config, draft=drafts[0]), prompts,
                         ("plain", *[m for m in hf_methods if m != "plain"]), 10).result()
     batched = compute.submit(run_plain, config, prompts, [c for c in levels if c > 1]).result()
+
+    def plain_again(c: int) -> MethodResult:
+        if c == 1:
+            return compute.submit(run_hf_methods, config, prompts, ("plain",)).result()[0]
+        return compute.submit(run_plain, config, prompts, [c]).result()[c]
+
+    report["bracketed"] = bracketed
+    report["plain_runs"] = {}
     for c in levels:
         plain = hf[0] if c == 1 else batched[c]
         rows = [row(plain, plain, prompts, c)]
         if c == 1:
             rows += [row(r, plain, prompts, c) for r in hf[1:]]
         report["levels"][str(c)] = rows
+        runs = report["plain_runs"][str(c)] = [plain.tok_s]
         save(report)
+        before = plain
         for name, top, dotted in ablation(drafts, nodes):
             if methods and name not in methods:
                 continue
             mesh = settings.with_overrides(**top, **dotted)
-            rows.append(row(run_mesh(config, prompts, mesh, c, compute, name), plain, prompts,
-                            c))
+            result = run_mesh(config, prompts, mesh, c, compute, name)
+            after = plain_again(c) if bracketed else before
+            if bracketed:
+                runs.append(after.tok_s)
+            base = bracket(before, after)
+            rows.append({**row(result, base, prompts, c), "plain_tok_s": base.tok_s})
             save(report)
+            before = after
     return report
 
 
@@ -193,6 +229,13 @@ def markdown(report: dict) -> str:
                          f" | {r['plain_steps']} | {r['identical_to_plain']}/"
                          f"{len(report['prompts'])} |")
     lines += ["", "Class cells: accepted length (speedup vs plain at batch 1)."]
+    if report.get("bracketed"):
+        spans = ", ".join(f"batch {c}: {min(r):.2f}-{max(r):.2f} tok/s in {len(r)} runs"
+                          for c, r in report.get("plain_runs", {}).items())
+        lines.append("Speedups of the specmesh methods are against the mean of the plain runs "
+                     f"just before and after each (plain varied over the run: {spans}); the "
+                     "transformers methods against the first plain run, timed just before "
+                     "them.")
     return "\n".join(lines) + "\n"
 
 
@@ -222,6 +265,11 @@ def main(argv: list[str] | None = None) -> int:
                         default=["hf-assisted", "hf-prompt-lookup"],
                         help="transformers methods at batch 1 besides plain [both]; none = plain "
                              "only")
+    parser.add_argument("--no-bracket", dest="bracket", action="store_false",
+                        help="time plain decoding once per batch size instead of again after "
+                             "every specmesh method (each method's speedup is against the mean "
+                             "of the plain runs just before and after it: this machine's speed "
+                             "drifts over a long run)")
     parser.add_argument("--quick", action="store_true", help="4 prompts x 32 tokens")
     parser.add_argument("--tag", default="", help="suffix of the result files (runs in slices "
                         "of --methods / --concurrency do not overwrite each other)")
@@ -249,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             (RESULTS / f"{name}.md").write_text(markdown(full))
     save(run(config, drafts, args.concurrency, args.nodes, compute, args.methods,
              tuple(m for m in args.hf_methods if m != "none"), save, args.min_probability,
-             args.draft_vocab),
+             args.draft_vocab, args.bracket),
          final=True)
     compute.shutdown()
     return 0
