@@ -9,9 +9,10 @@ per prompt class the depth-4 figure, and the draft's milliseconds per drafting f
 (`DraftModel.measure`). With the target's measured forward time for 1..9 rows it also gives
 the batch-1 speedup ceilings of drafting with each draft (`oracle_speedup`): what an oracle
 that drafts exactly the tokens the target accepts would get, for chains (top-1 agreement) and
-for trees of width 4 (top-4 agreement); no stopping rule, tree shape or router can beat them. The draft runs the forward the drafter serves with (`draft_runner`:
-the lean decoder loop where it applies). This is the draft's side of the speedup, without the
-mesh: which draft weights guess well enough for their cost on this CPU.
+for trees of width 4 (top-4 agreement); no stopping rule, tree shape or router can beat them.
+The draft runs the forward the drafter serves with (`draft_runner`: the lean decoder loop
+where it applies). This is the draft's side of the speedup, without the mesh: which draft
+weights guess well enough for their cost on this CPU.
 
     python -m bench.agreement --draft-vocab 32768 \\
         --drafts qwen2.5-coder-0.5b@int4 qwen2.5-coder-0.5b@int8 qwen2.5-coder-0.5b

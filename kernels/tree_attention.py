@@ -6,8 +6,9 @@ committed prefix (all of it) and its own new rows (under the tree mask), read fr
 through the segment's slot list. Layout: see kernels/__init__.py.
 
 - `tree_attention_ref`: float32, explicit scores / mask / softmax per segment (the oracle).
-- `tree_attention_torch`: the CPU serving path: short segments (decoding steps) as one padded
-  batch of float32 matmuls, long ones (prefill chunks) by SDPA per segment in the input dtype.
+- `tree_attention_torch`: the CPU serving path: one-row segments (plain decoding steps) as one
+  padded batch of float32 matmuls, the others (trees, prefill chunks) by SDPA per segment in
+  the input dtype.
 - `tree_attention_triton`: one launch of kernels/triton_kernels.py:tree_attn_kernel over
   (segment q-block, KV head) work items; triton is imported on first call only.
 All three return o: [T, H, D] in q's dtype; the fast two accept `meta=TreeBatch.build(...)`

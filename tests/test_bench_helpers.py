@@ -1,8 +1,10 @@
-"""The oracle ceiling of bench.agreement: drafting exactly the accepted tokens, priced by the
-measured draft and verify times."""
+"""Benchmark arithmetic: the oracle ceiling of bench.agreement (drafting exactly the accepted
+tokens, priced by the measured draft and verify times) and bench.router's bracketed baseline."""
 import pytest
 
 from bench.agreement import oracle_speedup
+from bench.router import bracket
+from bench.run import MethodResult
 
 VERIFY = {1: 10.0, 2: 11.0, 3: 12.0, 4: 13.0}  # ms of a target forward of n rows
 
@@ -25,3 +27,14 @@ def test_free_perfect_drafts_reach_the_verify_bound():
     # every token agreed, drafting free: (depth + 1) tokens per forward of depth + 1 rows
     speedup = oracle_speedup([[True] * 8], depth=3, draft_ms=0.0, verify_ms=VERIFY)
     assert speedup == pytest.approx(4 * VERIFY[1] / VERIFY[4])
+
+
+def test_a_bracketed_baseline_is_the_mean_of_the_plain_runs_around_a_method():
+    before = MethodResult("plain", tokens=100, seconds=4.0, outputs=[[1, 2]],
+                          seconds_per_prompt=[1.0, 3.0])
+    after = MethodResult("plain", tokens=100, seconds=6.0, outputs=[[1, 2]],
+                         seconds_per_prompt=[2.0, 4.0])
+    base = bracket(before, after)
+    assert base.seconds == 5.0 and base.tok_s == 20.0
+    assert base.seconds_per_prompt == [1.5, 3.5] and base.outputs == [[1, 2]]
+    assert before.seconds == 4.0 and before.seconds_per_prompt == [1.0, 3.0]  # not modified
