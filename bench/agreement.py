@@ -66,11 +66,9 @@ def oracle_speedup(agrees: list[list[bool]], depth: int, draft_ms: float,
     it is generous to trees."""
     tokens = seconds = 0.0
     for agree in agrees:
-        i = 0
+        runs, i = accepted_runs(agree, depth), 0
         while i < len(agree):
-            k = 0
-            while k < depth and i + k < len(agree) and agree[i + k]:
-                k += 1
+            k = runs[i]
             tokens += k + 1
             seconds += k * draft_ms + verify_ms[k + 1]
             i += k + 1
