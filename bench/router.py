@@ -11,6 +11,8 @@ request at a time) and c concurrent requests (`verifier.batch_size` = c):
   mesh-plain         the mesh with speculation off (depth 0): the cost of plain decoding
                      through router + pool + verifier, what adaptive sizing's "off" is held to
   fixed              one draft model, the configured chain every step, no pipeline
+  default            one draft model with the serving defaults: ProPD tree size, pipeline (what
+                     `specmesh up` runs, at this run's depth and confidence stop)
   +voting            both draft models and the datastore draft, the majority path is verified
   +bandit            LBSS chooses per request: the datastore, either model, or the vote
   +adaptive          + the tree size per request and step (ProPD), 0 = plain step
@@ -68,7 +70,9 @@ def ablation(drafts: tuple[str, str], nodes: int) -> list[tuple[str, dict, dict]
     bandit = {**vote, "speculation.selection": "lbss"}
     adaptive = {**bandit, "speculation.tree_size": "adaptive"}
     full = {k: v for k, v in adaptive.items() if k not in NO_PIPELINE}
-    return [("mesh-plain", {}, {"speculation.depth": 0}), ("fixed", *one), ("+voting", many, vote),
+    default = ({"drafters": [drafts[0]]}, {"speculation.source": "model"})
+    return [("mesh-plain", {}, {"speculation.depth": 0}), ("fixed", *one), ("default", *default),
+            ("+voting", many, vote),
             ("+bandit", many, bandit),
             ("+adaptive", many, adaptive), ("+pipeline", many, full),
             ("greedy", many, {**full, "speculation.selection": "greedy"}),

@@ -38,3 +38,37 @@ def test_a_bracketed_baseline_is_the_mean_of_the_plain_runs_around_a_method():
     assert base.seconds == 5.0 and base.tok_s == 20.0
     assert base.seconds_per_prompt == [1.5, 3.5] and base.outputs == [[1, 2]]
     assert before.seconds == 4.0 and before.seconds_per_prompt == [1.0, 3.0]  # not modified
+
+
+# bench.alternate: configurations on the command line, the summary against the first one
+def test_alternate_configs_parse_names_and_typed_overrides():
+    from bench.alternate import parse_config
+    assert parse_config("chain") == ("chain", {})
+    assert parse_config("tree:speculation.width=2,speculation.tree_size=fixed,"
+                        "drafters=[\"layers:8\"],speculation.voting=true") == (
+        "tree", {"speculation.width": 2, "speculation.tree_size": "fixed",
+                 "drafters": ["layers:8"], "speculation.voting": True})
+
+
+@pytest.mark.parametrize("bad", [":speculation.width=2", "tree:speculation.width"])
+def test_alternate_configs_reject_a_missing_name_or_value(bad):
+    import argparse
+    from bench.alternate import parse_config
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_config(bad)
+
+
+def test_alternate_summary_is_relative_to_the_first_configuration():
+    from bench.alternate import markdown, summary
+    a = MethodResult("a", tokens=100, seconds=10.0, target_forwards=50,
+                     outputs=[[1, 2], [3]])
+    b = MethodResult("b", tokens=100, seconds=8.0, target_forwards=25, outputs=[[1, 2], [4]])
+    rows = summary({"a": a, "b": b})
+    assert [r["vs_first"] for r in rows] == [1.0, pytest.approx(1.25)]
+    assert [r["identical_to_first"] for r in rows] == [2, 1]
+    assert rows[1]["mean_accepted_length"] == pytest.approx(4.0)
+    text = markdown({"model": "m", "dtype": "bfloat16", "common": {}, "summary": rows,
+                     "configs": {"a": {}, "b": {"speculation.width": 2}},
+                     "prompts": [{"name": "p", "category": "code",
+                                  "tok_s": {"a": 10.0, "b": 12.5}}]})
+    assert "| b | speculation.width=2 | 12.50 | 1.250 | 4.00 |" in text
