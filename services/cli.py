@@ -43,7 +43,7 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                    help="draft models propose only the N most frequent tokens of the "
                         "datastore's corpus (FR-Spec: a cheaper drafting forward, the output "
                         "unchanged; needs the datastore) [0 = the whole vocabulary]")
-    g.add_argument("--depth", type=int, help="speculation length: draft tokens per path [3]")
+    g.add_argument("--depth", type=int, help="speculation length: draft tokens per path [8]")
     g.add_argument("--width", type=int, help="tree width: nodes kept per level, 1 = chain [1]")
     g.add_argument("--min-probability", type=float, metavar="P",
                    help="draft models stop deepening the tree below a level whose likeliest "
