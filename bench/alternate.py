@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import json
 import platform
+import re
 import time
 from dataclasses import asdict
 
@@ -60,7 +61,20 @@ def parse_config(text: str) -> tuple[str, dict]:
     name, _, rest = text.partition(":")
     if not name:
         raise argparse.ArgumentTypeError(f"a configuration needs a name: {text!r}")
-    return name, parse_overrides([p for p in rest.split(",") if p]) if rest else {}
+    # split at the commas that start the next KEY=, not those inside a JSON list value
+    return name, parse_overrides([p for p in re.split(r",(?=[\w.]+=)", rest) if p])
+
+
+def check_keys(overrides: dict) -> None:
+    """Every key names a Settings field (`section.field` for sections): Settings ignores unknown
+    keys, and a misspelt one would compare a configuration with itself."""
+    for key in overrides:
+        section, _, leaf = key.partition(".")
+        field = Settings.model_fields.get(section)
+        known = field is not None and (
+            not leaf or leaf in getattr(field.annotation, "model_fields", {}))
+        if not known:
+            raise ValueError(f"unknown setting {key!r}")
 
 
 def summary(results: dict[str, MethodResult]) -> list[dict]:
@@ -156,7 +170,14 @@ def main(argv: list[str] | None = None) -> int:
     top = {"model": args.model, "dtype": args.dtype, "draft_vocab": args.draft_vocab}
     if args.drafts:
         top["drafters"] = args.drafts
-    settings = Settings(**top).with_overrides(**common)
+    try:  # every configuration checked before any model loads
+        for overrides in [common, *(o for _, o in args.configs)]:
+            check_keys(overrides)
+        settings = Settings(**top).with_overrides(**common)
+        for _, overrides in args.configs:
+            settings.with_overrides(**overrides)
+    except (ValueError, KeyError) as err:
+        parser.error(f"invalid settings: {err}")
     dtype = str(models.resolve_dtype(args.dtype)).removeprefix("torch.")
     config = Config(args.model, "", dtype, mtbench=args.mtbench, humaneval=args.humaneval,
                     max_tokens=args.max_tokens)

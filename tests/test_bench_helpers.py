@@ -45,9 +45,9 @@ def test_alternate_configs_parse_names_and_typed_overrides():
     from bench.alternate import parse_config
     assert parse_config("chain") == ("chain", {})
     assert parse_config("tree:speculation.width=2,speculation.tree_size=fixed,"
-                        "drafters=[\"layers:8\"],speculation.voting=true") == (
+                        "drafters=[\"layers:8\",\"layers:4\"],speculation.voting=true") == (
         "tree", {"speculation.width": 2, "speculation.tree_size": "fixed",
-                 "drafters": ["layers:8"], "speculation.voting": True})
+                 "drafters": ["layers:8", "layers:4"], "speculation.voting": True})
 
 
 @pytest.mark.parametrize("bad", [":speculation.width=2", "tree:speculation.width"])
@@ -56,6 +56,14 @@ def test_alternate_configs_reject_a_missing_name_or_value(bad):
     from bench.alternate import parse_config
     with pytest.raises(argparse.ArgumentTypeError):
         parse_config(bad)
+
+
+def test_alternate_rejects_settings_that_do_not_exist():
+    from bench.alternate import check_keys
+    check_keys({"speculation.width": 2, "drafters": ["layers:8"], "dtype": "float32"})
+    for bad in ({"speculation.widht": 2}, {"speculaton.width": 2}, {"drafter": []}):
+        with pytest.raises(ValueError, match="unknown setting"):
+            check_keys(bad)
 
 
 def test_alternate_summary_is_relative_to_the_first_configuration():
