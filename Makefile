@@ -28,6 +28,7 @@ demo: setup
 	$(BIN)/specmesh run --chat "$(PROMPT)" --max-tokens 96
 
 test: setup
+	$(BIN)/ruff check .
 	$(BIN)/pytest
 
 $(BENCH_STAMP): $(STAMP) requirements/bench-models.txt

@@ -31,10 +31,10 @@ from tqdm.auto import tqdm
 from bench.batch import header
 from bench.linear import step_ms
 from bench.run import Config, _hf_generate, load_prompts, save_report
-from services.common import models
-from services.common.config import Settings
-from services.drafter.engine import DraftModel
-from services.drafter.models import DraftSpec, draft_vocabulary, load_draft_lm
+from specmesh_services.common import models
+from specmesh_services.common.config import Settings
+from specmesh_services.drafter.engine import DraftModel
+from specmesh_services.drafter.models import DraftSpec, draft_vocabulary, load_draft_lm
 
 DEPTHS = (2, 4, 8)
 CEILING_DEPTH = 8  # deepest draft of the oracle ceilings

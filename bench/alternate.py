@@ -32,9 +32,9 @@ import time
 from dataclasses import asdict
 
 from bench.run import Config, MethodResult, _record, load_prompts, save_report
-from services.common import models
-from services.common.config import Settings
-from services.common.serving import compute_executor
+from specmesh_services.common import models
+from specmesh_services.common.config import Settings
+from specmesh_services.common.serving import compute_executor
 
 
 def parse_value(text: str):
@@ -113,7 +113,7 @@ async def run(settings: Settings, configs: list[tuple[str, dict]], config: Confi
     compute = compute_executor()
     tokenizer = models.load_tokenizer(models.resolve(settings.model, settings.cache_dir))
     prompts = load_prompts(config, tokenizer)
-    from services.embedded import EmbeddedMesh
+    from specmesh_services.embedded import EmbeddedMesh
 
     async with contextlib.AsyncExitStack() as stack:
         meshes = {}

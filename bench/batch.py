@@ -34,10 +34,10 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from bench.run import RESULTS, Config, MethodResult, Prompt, _record, load_prompts, mesh_settings
-from services.common import models
-from services.common.config import Settings
-from services.common.serving import compute_executor
-from services.common.tree import TokenTree, compile_tree
+from specmesh_services.common import models
+from specmesh_services.common.config import Settings
+from specmesh_services.common.serving import compute_executor
+from specmesh_services.common.tree import TokenTree, compile_tree
 from specmesh.v1 import common_pb2, pool_pb2
 
 NAME = "issue3-batch"
@@ -104,7 +104,7 @@ def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:  # rows are padde
 
 # --- specmesh with c requests in flight ----------
 def run_specmesh(config: Config, prompts: list[Prompt], c: int, compute: Executor) -> dict:
-    from services.embedded import EmbeddedMesh
+    from specmesh_services.embedded import EmbeddedMesh
 
     async def one(mesh, prompt: Prompt, limit: asyncio.Semaphore, bar):
         async with limit:
@@ -138,7 +138,7 @@ def run_specmesh(config: Config, prompts: list[Prompt], c: int, compute: Executo
 def run_padded_vs_packed(config: Config, prompts: list[Prompt], reps: int, batch: int = 8
                          ) -> dict:
     """On the compute thread: the engine's packed step vs a padded HF forward of the same trees."""
-    from services.verifier.server import build_engine, load_target
+    from specmesh_services.verifier.server import build_engine, load_target
 
     settings = mesh_settings(config).with_overrides(**{"verifier.batch_size": batch})
     lm = load_target(settings)

@@ -33,11 +33,11 @@ import numpy as np
 
 from bench.run import (RESULTS, Config, MethodResult, load_prompts, run_embedded,
                        run_hf_methods, save_report)
-from services.common import models
-from services.common.config import DatastoreSettings, Settings
-from services.common.serving import compute_executor
-from services.datastore import build
-from services.datastore.engine import LookupEngine, LookupRequest, open_for_target
+from specmesh_services.common import models
+from specmesh_services.common.config import DatastoreSettings, Settings
+from specmesh_services.common.serving import compute_executor
+from specmesh_services.datastore import build
+from specmesh_services.datastore.engine import LookupEngine, LookupRequest, open_for_target
 
 BATCHES = (1, 8, 32)
 

@@ -20,10 +20,10 @@ from tqdm.auto import tqdm
 
 from bench.batch import header
 from bench.run import save_report
-from services.common import models
-from services.common.config import Settings
-from services.common.prompts import mtbench_questions
-from services.drafter.models import build_draft_models
+from specmesh_services.common import models
+from specmesh_services.common.config import Settings
+from specmesh_services.common.prompts import mtbench_questions
+from specmesh_services.drafter.models import build_draft_models
 
 
 def round_ms(draft, prompts: list[list[int]], depth: int, width: int, reps: int,

@@ -21,9 +21,9 @@ from transformers import DynamicCache
 
 from bench.batch import header
 from bench.run import save_report
-from services.common import models
-from services.common.config import Settings
-from kernels.linear import fp16_supports, onednn_supports
+from specmesh_services.common import models
+from specmesh_services.common.config import Settings
+from specmesh_kernels.linear import fp16_supports, onednn_supports
 
 
 def step_ms(model, context: int, rows: list[int], reps: int) -> dict[int, float]:

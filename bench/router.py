@@ -51,9 +51,9 @@ from tqdm.auto import tqdm
 from bench.batch import run_plain
 from bench.run import (RESULTS, Config, MethodResult, Prompt, _record, load_prompts,
                        run_hf_methods, save_report)
-from services.common import models
-from services.common.config import Settings
-from services.common.serving import compute_executor
+from specmesh_services.common import models
+from specmesh_services.common.config import Settings
+from specmesh_services.common.serving import compute_executor
 
 DRAFTS = {"smollm2-135m": ("layers:8", "layers:20"),
           "qwen2.5-coder-1.5b": ("qwen2.5-coder-0.5b@auto", "layers:8")}
@@ -84,7 +84,7 @@ def run_mesh(config: Config, prompts: list[Prompt], settings: Settings, c: int,
              compute: Executor, name: str) -> MethodResult:
     """The prompts through an embedded mesh with at most c in flight (batch 1: one at a time,
     each timed on its own)."""
-    from services.embedded import EmbeddedMesh
+    from specmesh_services.embedded import EmbeddedMesh
 
     async def main() -> MethodResult:
         async with EmbeddedMesh.start(settings.with_overrides(**{"verifier.batch_size": c}),

@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from services.common.prompts import humaneval_problems, mtbench_questions
-from services.common import models
-from services.common.config import Settings
-from services.common.serving import compute_executor
+from specmesh_services.common.prompts import humaneval_problems, mtbench_questions
+from specmesh_services.common import models
+from specmesh_services.common.config import Settings
+from specmesh_services.common.serving import compute_executor
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ("plain", "hf-assisted", "hf-prompt-lookup", "specmesh-embedded", "specmesh-stack")
@@ -168,7 +168,7 @@ def _load_draft(config: Config, settings: Settings, target_path):
     """The assistant model of a draft spec, quantized weights included (`@int8`, `@int4`,
     `@auto`: the same draft the mesh runs, so the comparison is of the methods, not of the
     drafts)."""
-    from services.drafter.models import DraftSpec, load_draft
+    from specmesh_services.drafter.models import DraftSpec, load_draft
 
     return load_draft(DraftSpec.parse(config.draft), settings, target_path)
 
@@ -194,7 +194,7 @@ def mesh_settings(config: Config) -> Settings:
 def run_embedded(config: Config, prompts: list[Prompt], compute: Executor,
                  settings: Settings | None = None, method: str = "specmesh-embedded"
                  ) -> MethodResult:
-    from services.embedded import EmbeddedMesh
+    from specmesh_services.embedded import EmbeddedMesh
 
     async def main() -> MethodResult:
         async with EmbeddedMesh.start(settings or mesh_settings(config), compute) as mesh:
@@ -212,9 +212,9 @@ def run_embedded(config: Config, prompts: list[Prompt], compute: Executor,
 
 
 def run_stack(config: Config, prompts: list[Prompt], log_dir: Path) -> MethodResult:
-    from services.common.procs import free_port
-    from services.common.redis_server import RedisServer
-    from services.stack import Stack
+    from specmesh_services.common.procs import free_port
+    from specmesh_services.common.redis_server import RedisServer
+    from specmesh_services.stack import Stack
     from specmesh import Client
 
     result = MethodResult("specmesh-stack")

@@ -27,10 +27,10 @@ from tqdm.auto import tqdm
 
 from bench.batch import MODELS, header, random_tree
 from bench.run import RESULTS
-from services.common.config import Settings
-from services.common.serving import compute_executor
-from services.common.tree import TokenTree
-from services.verifier.cost import VerifyCostModel
+from specmesh_services.common.config import Settings
+from specmesh_services.common.serving import compute_executor
+from specmesh_services.common.tree import TokenTree
+from specmesh_services.verifier.cost import VerifyCostModel
 from specmesh.v1 import common_pb2, pool_pb2
 
 FULL = {"lengths": "128,512,1024", "batches": "1,4,8", "nodes": "0,1,3,7,15,31,63", "reps": 7}
@@ -40,7 +40,7 @@ WARMUP = 1  # untimed steps per cell (new shapes)
 
 def build(model: str, dtype: str, batch: int, length: int, nodes: int):
     """The target and an engine sized for `batch` requests of `length` + a tree of `nodes`."""
-    from services.verifier.server import build_engine, load_target
+    from specmesh_services.verifier.server import build_engine, load_target
 
     rows = batch * (length + nodes + 1)
     settings = Settings(model=model, dtype=dtype).with_overrides(**{

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from services.common.sampling import SamplingParams
+from specmesh_services.common.sampling import SamplingParams
 from specmesh.v1 import gateway_pb2, router_pb2
 
 MAX_STOP_SEQUENCES = 16

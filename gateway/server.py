@@ -1,11 +1,11 @@
-"""Gateway process: `specmesh serve gateway` (or `python -m gateway`)."""
+"""Gateway process: `specmesh serve gateway`."""
 from __future__ import annotations
 
-from gateway.requests import ServedModel
-from gateway.servicer import SERVICE_NAME, GatewayServicer
-from services.common import models, serving
-from services.common.config import Settings
-from services.common.rpc import channel, start_server
+from specmesh_gateway.requests import ServedModel
+from specmesh_gateway.servicer import SERVICE_NAME, GatewayServicer
+from specmesh_services.common import models, serving
+from specmesh_services.common.config import Settings
+from specmesh_services.common.rpc import channel, start_server
 from specmesh.v1 import gateway_pb2_grpc, router_pb2_grpc
 
 

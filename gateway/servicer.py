@@ -5,8 +5,8 @@ import uuid
 
 from opentelemetry import trace
 
-from gateway.requests import ServedModel, to_route_request
-from services.common.rpc import rpc_errors
+from specmesh_gateway.requests import ServedModel, to_route_request
+from specmesh_services.common.rpc import rpc_errors
 from specmesh.v1 import gateway_pb2, gateway_pb2_grpc
 
 SERVICE_NAME = "specmesh.v1.Gateway"

@@ -6,7 +6,7 @@ memory size. This runs the real pipeline (frontend, MLIR, ptxas from the triton 
 CPU-only machine still proves the GPU path compiles. Slow (about 7 s per variant, cached in
 ~/.triton/cache afterwards), so it is a developer command, not part of the test suite:
 
-    env -u TRITON_INTERPRET .venv/bin/python -m kernels.aot_check [--arch 80]
+    env -u TRITON_INTERPRET .venv/bin/python -m specmesh_kernels.aot_check [--arch 80]
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ MERGE_STRIDES = ["stride_vt", "stride_vc", "stride_vh", "stride_st", "stride_sc"
 
 def _variants(head_dim: int):
     """(kernel name, signature, constexprs) for every variant the wrappers launch on CUDA."""
-    from kernels import triton_kernels as tk
+    from specmesh_kernels import triton_kernels as tk
     import torch
 
     torch_dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

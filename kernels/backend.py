@@ -25,9 +25,9 @@ from typing import Callable
 
 import torch
 
-from kernels.compaction import compact_kv_torch
-from kernels.metadata import TreeBatch
-from kernels.tree_attention import tree_attention_torch
+from specmesh_kernels.compaction import compact_kv_torch
+from specmesh_kernels.metadata import TreeBatch
+from specmesh_kernels.tree_attention import tree_attention_torch
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def _flash_attn_importable() -> bool:
 def _build(name: str) -> AttentionBackend:
     if name == "torch":
         return AttentionBackend(name, PlannedAttend(tree_attention_torch), compact_kv_torch)
-    from kernels.compaction import compact_kv_triton
+    from specmesh_kernels.compaction import compact_kv_triton
 
     attend = tree_attention_split if name == "triton" else tree_attention_flash
     return AttentionBackend(name, PlannedAttend(attend), compact_kv_triton)
@@ -131,8 +131,8 @@ def tree_attention_split(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_slots, tr
     tree-attention launch; otherwise SPIN's request decomposition (kernels/decomposed.py): long
     segments are cut into chunks of <= chunk_size positions, every chunk a work item of one
     launch, merged exactly by log-sum-exp, so a long request does not serialize the batch."""
-    from kernels.decomposed import decomposed_attention_triton
-    from kernels.tree_attention import tree_attention_triton
+    from specmesh_kernels.decomposed import decomposed_attention_triton
+    from specmesh_kernels.tree_attention import tree_attention_triton
 
     meta = meta or TreeBatch.build(qo_indptr, kv_indptr, kv_slots, tree_mask, mask_indptr)
     if max(meta.kv_len(s) for s in range(meta.num_segments)) <= chunk_size:
@@ -182,8 +182,8 @@ def tree_attention_flash(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_slots, tr
     flash-attn writes out = 0 and lse = +inf, so those rows' prefix LSE is reset to -inf."""
     from flash_attn import flash_attn_varlen_func
 
-    from kernels.decomposed import merge_states_triton, partial_attention_triton
-    from kernels.tree_attention import tree_attention_triton
+    from specmesh_kernels.decomposed import merge_states_triton, partial_attention_triton
+    from specmesh_kernels.tree_attention import tree_attention_triton
 
     meta = meta or TreeBatch.build(qo_indptr, kv_indptr, kv_slots, tree_mask, mask_indptr)
     if q.dtype not in (torch.float16, torch.bfloat16):

@@ -52,7 +52,7 @@ def compact_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, src_slots: t
                       dst_slots: torch.Tensor) -> None:
     """In place, in-order semantics (see the module docstring); one launch over (layer, slice of
     the KVH * D row)."""
-    from kernels import triton_kernels as tk  # lazy: the CPU serving path never imports triton
+    from specmesh_kernels import triton_kernels as tk  # lazy: the CPU serving path never imports triton
 
     _check(k_cache, v_cache, src_slots, dst_slots)
     assert k_cache.stride() == v_cache.stride(), "k_cache and v_cache strides differ"

@@ -30,8 +30,8 @@ from typing import Sequence
 
 import torch
 
-from kernels.metadata import TreeBatch
-from kernels.tree_attention import LOG2E, check_inputs, segment_mask
+from specmesh_kernels.metadata import TreeBatch
+from specmesh_kernels.tree_attention import LOG2E, check_inputs, segment_mask
 
 
 def plan_chunks(kv_lens: Sequence[int], chunk_size: int) -> list[tuple[int, int, int]]:
@@ -119,7 +119,7 @@ def partial_attention_triton(q, k_cache, v_cache, meta: TreeBatch,
     """One launch over ranges (segment, kv_lo, kv_hi, chunk index < num_chunks). Returns the
     partial states v: [T, C, H, D] float32 and s: [T, C, H] float32 (C = num_chunks); entries
     no range wrote stay (v = 0, s = -inf). key names the ranges in meta's cache."""
-    from kernels import triton_kernels as tk  # lazy: the CPU serving path never imports triton
+    from specmesh_kernels import triton_kernels as tk  # lazy: the CPU serving path never imports triton
 
     check_inputs(q, k_cache, v_cache, meta)
     assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1, "D contiguous"
@@ -135,7 +135,7 @@ def merge_states_triton(v: torch.Tensor, s: torch.Tensor, out_dtype: torch.dtype
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """v: [T, C, H, D], s: [T, C, H] float32 -> (v [T, H, D] in out_dtype (default v's dtype),
     s [T, H] float32). One launch, BLOCK_R (row, head) pairs per program."""
-    from kernels import triton_kernels as tk
+    from specmesh_kernels import triton_kernels as tk
 
     assert v.dim() == 4 and s.shape == v.shape[:3], "v: [T, C, H, D], s: [T, C, H]"
     assert s.dtype == torch.float32 and v.stride(3) == 1, "s float32, v's D contiguous"

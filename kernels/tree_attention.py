@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.metadata import PaddedSegments, TreeBatch
+from specmesh_kernels.metadata import PaddedSegments, TreeBatch
 
 LOG2E = 1.4426950408889634
 
@@ -144,7 +144,7 @@ def tree_attention_triton(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_slots, t
                           ) -> torch.Tensor:
     """Same contract as `tree_attention_ref`, one Triton launch (CUDA, or CPU under
     TRITON_INTERPRET=1). Work items: (segment, block of query rows) x KV head."""
-    from kernels import triton_kernels as tk  # lazy: the CPU serving path never imports triton
+    from specmesh_kernels import triton_kernels as tk  # lazy: the CPU serving path never imports triton
 
     meta = meta or TreeBatch.build(qo_indptr, kv_indptr, kv_slots, tree_mask, mask_indptr)
     check_inputs(q, k_cache, v_cache, meta)

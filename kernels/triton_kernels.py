@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.metadata import TreeBatch
+from specmesh_kernels.metadata import TreeBatch
 
 # a work-item row: q_lo, q_hi (query rows of the item), q_seg (segment's first row), n_new
 # (segment's new rows), kv_off (segment's start in kv_slots), kv_lo, kv_hi (KV positions of the

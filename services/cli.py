@@ -18,7 +18,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-from services.common.config import DEFAULT_GATEWAY_PORT, Settings
+from specmesh_services.common.config import DEFAULT_GATEWAY_PORT, Settings
 
 ROLES = ("gateway", "router", "drafter", "verifier", "datastore")
 
@@ -164,9 +164,9 @@ def _print_stats(stats, finish: str | None) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from services.common.serving import setup_logging
-    from services.embedded import EmbeddedMesh
-    from services.stack import prepare
+    from specmesh_services.common.serving import setup_logging
+    from specmesh_services.embedded import EmbeddedMesh
+    from specmesh_services.stack import prepare
     from specmesh.types import Stats, finish_reason_name
 
     settings = settings_from(args)
@@ -214,20 +214,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from services import stack
+    from specmesh_services import stack
 
     return stack.up(settings_from(args), port=args.port, detach=args.detach)
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    from services import stack
+    from specmesh_services import stack
 
     return stack.down(settings_from(args))
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from services.common import models
-    from services.common.serving import setup_logging
+    from specmesh_services.common import models
+    from specmesh_services.common.serving import setup_logging
 
     settings = settings_from(args)
     if args.action == "list":
@@ -258,8 +258,8 @@ def cmd_models(args: argparse.Namespace) -> int:
 def cmd_datastore(args: argparse.Namespace) -> int:
     import json
 
-    from services.common.serving import setup_logging
-    from services.datastore import build, engine
+    from specmesh_services.common.serving import setup_logging
+    from specmesh_services.datastore import build, engine
 
     setup_logging("WARNING")
     settings = settings_from(args)
@@ -278,7 +278,7 @@ def cmd_datastore(args: argparse.Namespace) -> int:
                   f"{meta['tokenizer']})")
             return 0
         if args.action == "tune":
-            from services.datastore import tune
+            from specmesh_services.datastore import tune
 
             return tune.main(settings, args.prompts, args.max_tokens)
         store = engine.open_for_target(settings, build.target_tokenizer(settings))
@@ -308,7 +308,7 @@ def cmd_health(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import importlib
 
-    module = {"gateway": "gateway.server"}.get(args.role, f"services.{args.role}.server")
+    module = {"gateway": "specmesh_gateway.server"}.get(args.role, f"specmesh_services.{args.role}.server")
     importlib.import_module(module).main(settings_from(args))
     return 0
 

@@ -16,20 +16,20 @@ from collections.abc import AsyncIterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
-from gateway.requests import ServedModel
-from gateway.servicer import GatewayServicer
-from services.common import models, serving
-from services.common.config import Settings
-from services.common.pool import MemoryPool
-from services.common.rpc import LocalStub
-from services.datastore.engine import LookupEngine, open_for_target
-from services.datastore.servicer import DatastoreServicer
-from services.drafter.models import build_draft_models
-from services.drafter.servicer import DrafterServicer
-from services.router.engine import Router, TargetInfo
-from services.router.servicer import RouterServicer
-from services.verifier.server import build_engine, load_target
-from services.verifier.worker import VerifierWorker
+from specmesh_gateway.requests import ServedModel
+from specmesh_gateway.servicer import GatewayServicer
+from specmesh_services.common import models, serving
+from specmesh_services.common.config import Settings
+from specmesh_services.common.pool import MemoryPool
+from specmesh_services.common.rpc import LocalStub
+from specmesh_services.datastore.engine import LookupEngine, open_for_target
+from specmesh_services.datastore.servicer import DatastoreServicer
+from specmesh_services.drafter.models import build_draft_models
+from specmesh_services.drafter.servicer import DrafterServicer
+from specmesh_services.router.engine import Router, TargetInfo
+from specmesh_services.router.servicer import RouterServicer
+from specmesh_services.verifier.server import build_engine, load_target
+from specmesh_services.verifier.worker import VerifierWorker
 from specmesh import build_request
 from specmesh.v1 import gateway_pb2
 

@@ -22,10 +22,10 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common import models
-from services.common.config import Settings
-from services.common.procs import free_port, orphan_guard, pid_alive
-from services.drafter.models import DraftSpec, draft_specs
+from specmesh_services.common import models
+from specmesh_services.common.config import Settings
+from specmesh_services.common.procs import free_port, orphan_guard, pid_alive
+from specmesh_services.drafter.models import DraftSpec, draft_specs
 
 START_TIMEOUT_S = 300.0
 
@@ -83,7 +83,7 @@ class Stack:
         prepare(self.settings)
         settings = self.settings
         if settings.redis_url is None:
-            from services.common.redis_server import RedisServer
+            from specmesh_services.common.redis_server import RedisServer
 
             self.redis = RedisServer(log_path=self.log_dir / "redis.log")
             self.redis.start()
@@ -108,7 +108,7 @@ class Stack:
             env["OMP_NUM_THREADS"] = str(compute_threads(role))
         log = self.log_dir / f"{role}.log"
         out = open(log, "w")
-        command = [*orphan_guard(), sys.executable, "-m", "services.cli", "serve", role]
+        command = [*orphan_guard(), sys.executable, "-m", "specmesh_services.cli", "serve", role]
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, env=env)
         out.close()
@@ -163,7 +163,7 @@ def prepare(settings: Settings) -> None:
     for name in names:
         models.resolve(name, settings.cache_dir)
     if settings.speculation.source != "model" and settings.datastore.path is None:
-        from services.datastore import build
+        from specmesh_services.datastore import build
 
         tokenizer = build.target_tokenizer(settings)
         if not (build.output_dir(settings, "sharegpt", tokenizer) / "meta.json").is_file():
@@ -226,7 +226,7 @@ def _up_detached(settings: Settings, port: int, state: Path) -> int:
     log = state.parent / "up.log"
     env = {**os.environ, **settings_env(settings)}
     with open(log, "w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", str(port)],
+        process = subprocess.Popen([sys.executable, "-m", "specmesh_services.cli", "up", "--port", str(port)],
                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    env=env, start_new_session=True)
     deadline = time.monotonic() + START_TIMEOUT_S + 60

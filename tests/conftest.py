@@ -16,11 +16,11 @@ import pytest
 import redis
 import torch
 
-from services.common.prompts import mtbench_questions
-from services.common import models, serving
-from services.common.config import Settings
-from services.common.lm import CausalLM
-from services.common.redis_server import RedisServer
+from specmesh_services.common.prompts import mtbench_questions
+from specmesh_services.common import models, serving
+from specmesh_services.common.config import Settings
+from specmesh_services.common.lm import CausalLM
+from specmesh_services.common.redis_server import RedisServer
 
 
 @pytest.fixture(scope="session")
@@ -113,7 +113,7 @@ def hf_greedy_reference(hf_target, tokenizer, chat_prompt_ids, compute):
 def small_datastore(base_settings, tokenizer, tmp_path_factory):
     """A lookup datastore of the first 400 ShareGPT conversations, tokenized with the default
     model's tokenizer (the full one takes minutes to build; lossless checks need no quality)."""
-    from services.datastore.build import build
+    from specmesh_services.datastore.build import build
 
     path, _ = build(base_settings, "sharegpt", tmp_path_factory.mktemp("datastore") / "ds",
                     limit=400, progress=False, tokenizer=tokenizer)

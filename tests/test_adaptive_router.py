@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.embedded import EmbeddedMesh
+from specmesh_services.embedded import EmbeddedMesh
 from test_lossless_greedy import assert_target_tokens  # noqa: E402  (tests/ is on the path)
 
 NUM_QUESTIONS = 20

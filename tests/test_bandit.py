@@ -11,7 +11,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from services.router.bandit import LBSS, DrafterSpec, Estimate, Placement
+from specmesh_services.router.bandit import LBSS, DrafterSpec, Estimate, Placement
 
 # drafters of several kinds; "lookup" has two instances of one batch slot each
 DRAFTERS = [

@@ -7,9 +7,9 @@ import asyncio
 import time
 from types import SimpleNamespace
 
-from services.common.config import VerifierSettings
-from services.common.pool.memory import MemoryPool
-from services.verifier.worker import VerifierWorker
+from specmesh_services.common.config import VerifierSettings
+from specmesh_services.common.pool.memory import MemoryPool
+from specmesh_services.verifier.worker import VerifierWorker
 from specmesh.v1 import pool_pb2
 
 

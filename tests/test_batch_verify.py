@@ -13,10 +13,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from services.common.sampling import Sampler, SamplingParams
-from services.common.tree import TokenTree
-from kernels.backend import select_attention_backend
-from services.verifier.engine import EngineLimits, VerifierEngine
+from specmesh_services.common.sampling import Sampler, SamplingParams
+from specmesh_services.common.tree import TokenTree
+from specmesh_kernels.backend import select_attention_backend
+from specmesh_services.verifier.engine import EngineLimits, VerifierEngine
 from specmesh.v1 import pool_pb2
 
 BATCH = 8

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.router.batching import MicroBatcher
+from specmesh_services.router.batching import MicroBatcher
 
 
 class FakeService:

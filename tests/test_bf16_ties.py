@@ -19,11 +19,11 @@ import random
 import pytest
 import torch
 
-from services.common import models
-from services.common.lm import CausalLM
-from services.common.sampling import SamplingParams
-from services.common.tree import TokenTree
-from services.verifier.engine import EngineLimits, VerifierEngine
+from specmesh_services.common import models
+from specmesh_services.common.lm import CausalLM
+from specmesh_services.common.sampling import SamplingParams
+from specmesh_services.common.tree import TokenTree
+from specmesh_services.verifier.engine import EngineLimits, VerifierEngine
 from specmesh.v1 import pool_pb2
 
 PROMPTS = 10

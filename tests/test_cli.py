@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.common.procs import free_port, pid_alive
+from specmesh_services.common.procs import free_port, pid_alive
 
-SPECMESH = [sys.executable, "-m", "services.cli"]
+SPECMESH = [sys.executable, "-m", "specmesh_services.cli"]
 
 
 def run_cli(args, env, timeout=300):
@@ -96,7 +96,7 @@ def test_ctrl_c_on_up_stops_everything(cli_env, tmp_path):
 
 
 def test_model_flags_become_settings():
-    from services.cli import build_parser, settings_from
+    from specmesh_services.cli import build_parser, settings_from
 
     args = build_parser().parse_args(["run", "hi", "--draft-vocab", "4096", "--dtype", "float32",
                                       "--draft", "layers:8@int4"])

@@ -11,18 +11,18 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from services.common.config import DatastoreSettings
-from services.common.rpc import FailedPrecondition
-from services.common.tree import TokenTree
-from services.datastore.engine import (
+from specmesh_services.common.config import DatastoreSettings
+from specmesh_services.common.rpc import FailedPrecondition
+from specmesh_services.common.tree import TokenTree
+from specmesh_services.datastore.engine import (
     DatastoreMismatch,
     LookupEngine,
     LookupRequest,
     check_family,
 )
-from services.datastore.fusion import Discounts, WeightedTree, fuse
-from services.datastore.input_index import InputIndex
-from services.datastore.suffix import SEPARATOR, SuffixDatastore, build_datastore
+from specmesh_services.datastore.fusion import Discounts, WeightedTree, fuse
+from specmesh_services.datastore.input_index import InputIndex
+from specmesh_services.datastore.suffix import SEPARATOR, SuffixDatastore, build_datastore
 
 S = int(SEPARATOR)
 # tokens.u32:  1 2 3 1 2 4 S 2 3 S   (positions 0..9)

@@ -11,13 +11,13 @@ import shutil
 import grpc
 import pytest
 
-from services import cli
-from services.common.rpc import channel
-from services.datastore import corpus
-from services.datastore.engine import DatastoreMismatch
-from services.datastore.server import build_engine, start
-from services.embedded import EmbeddedMesh
-from services.router.server import check_datastore
+from specmesh_services import cli
+from specmesh_services.common.rpc import channel
+from specmesh_services.datastore import corpus
+from specmesh_services.datastore.engine import DatastoreMismatch
+from specmesh_services.datastore.server import build_engine, start
+from specmesh_services.embedded import EmbeddedMesh
+from specmesh_services.router.server import check_datastore
 from specmesh.v1 import datastore_pb2, datastore_pb2_grpc
 from test_lossless_greedy import assert_target_tokens  # noqa: E402  (tests/ is on the path)
 

@@ -19,8 +19,8 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from services.cli import ROLES, build_parser, settings_from
-from services.common.config import Settings
+from specmesh_services.cli import ROLES, build_parser, settings_from
+from specmesh_services.common.config import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from kernels.linear import Int4Linear, PackedLinear
-from services.drafter.models import build_draft_models
-from services.drafter.vocab import SubsetHead, frequent_tokens, restrict_vocab, token_counts
+from specmesh_kernels.linear import Int4Linear, PackedLinear
+from specmesh_services.drafter.models import build_draft_models
+from specmesh_services.drafter.vocab import SubsetHead, frequent_tokens, restrict_vocab, token_counts
 from test_lossless_greedy import assert_lossless_with_drafts  # noqa: E402
 
 
@@ -54,7 +54,7 @@ def test_subset_head_gives_the_full_heads_logits_on_kept_tokens_only(bias):
 
 
 def test_restrict_vocab_comes_before_packing(target_path):
-    from services.common import models
+    from specmesh_services.common import models
 
     model = models.load_model(target_path, torch.float32, linear="torch")
     assert restrict_vocab(model, torch.arange(1000)) == 1000

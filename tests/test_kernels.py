@@ -20,13 +20,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import select_attention_backend
-from kernels.compaction import compact_kv_ref, compact_kv_torch, compact_kv_triton
-from kernels.decomposed import (decomposed_attention_ref, decomposed_attention_triton,
+from specmesh_kernels.backend import select_attention_backend
+from specmesh_kernels.compaction import compact_kv_ref, compact_kv_torch, compact_kv_triton
+from specmesh_kernels.decomposed import (decomposed_attention_ref, decomposed_attention_triton,
                                 merge_states_ref, merge_states_triton, partial_attention_ref,
                                 partial_attention_triton, plan_chunks)
-from kernels.metadata import TreeBatch
-from kernels.tree_attention import (segment_mask, tree_attention_ref, tree_attention_torch,
+from specmesh_kernels.metadata import TreeBatch
+from specmesh_kernels.tree_attention import (segment_mask, tree_attention_ref, tree_attention_torch,
                                     tree_attention_triton)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -299,7 +299,7 @@ def test_compaction_triton_runs_pairs_in_order():
 # ---------------------------------------------------------------------------------------------
 # backend selection
 def test_backend_on_cpu_is_torch(caplog):
-    with caplog.at_level(logging.INFO, logger="kernels.backend"):
+    with caplog.at_level(logging.INFO, logger="specmesh_kernels.backend"):
         backend = select_attention_backend(torch.device("cpu"))
     assert backend.name == "torch"
     assert "attention backend: torch (cpu)" in caplog.text
@@ -327,7 +327,7 @@ def test_backend_triton_under_interpreter():
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (set by conftest.py)")
 def test_backend_triton_splits_long_prefixes():
     """A segment longer than the chunk size takes the split-KV path; same result."""
-    from kernels.backend import tree_attention_split
+    from specmesh_kernels.backend import tree_attention_split
 
     batch = make_batch([300, 1, 37], [5, 1, 23], seed=12)
     expected = tree_attention_ref(*batch.args())
@@ -347,7 +347,7 @@ def test_backend_rejects_bad_preferences(monkeypatch):
 
 
 def test_torch_backend_never_imports_triton():
-    code = ("import sys, torch; from kernels.backend import select_attention_backend as s; "
+    code = ("import sys, torch; from specmesh_kernels.backend import select_attention_backend as s; "
             "b = s('cpu'); q = torch.randn(2, 2, 8); k = torch.randn(4, 2, 8); "
             "b.attend(q, k, k, torch.tensor([0, 2]), torch.tensor([0, 3]), torch.tensor([0, 1, 2]),"
             " torch.ones(4, dtype=torch.bool), torch.tensor([0, 4]), 0.3); "

@@ -3,11 +3,11 @@ caches built by prefilling the accepted sequence from scratch (fp32 tolerance)."
 import pytest
 import torch
 
-from services.common.lm import CausalLM, Part
-from services.common.sampling import SamplingParams
-from services.common.tree import TokenTree
-from services.drafter.engine import DraftModel
-from services.verifier.engine import VerifierEngine
+from specmesh_services.common.lm import CausalLM, Part
+from specmesh_services.common.sampling import SamplingParams
+from specmesh_services.common.tree import TokenTree
+from specmesh_services.drafter.engine import DraftModel
+from specmesh_services.verifier.engine import VerifierEngine
 from specmesh.v1 import pool_pb2
 
 ATOL = 1e-4
@@ -73,9 +73,9 @@ def test_verifier_cache_after_partly_rejected_tree(target_lm, chat_prompt_ids):
 def draft(target_path, request):
     """A 20-layer draft of the target, run by transformers' forward and by the drafter's lean
     decoder loop (services/drafter/lean.py): every drafter test holds for both."""
-    from kernels.linear import pack_linears
-    from services.common import models
-    from services.drafter.lean import LeanLM
+    from specmesh_kernels.linear import pack_linears
+    from specmesh_services.common import models
+    from specmesh_services.drafter.lean import LeanLM
 
     if request.param == "transformers":
         lm = CausalLM(models.load_model(target_path, torch.float32, num_layers=20), "d")

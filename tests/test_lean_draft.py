@@ -8,12 +8,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, Qwen2Config, Qwen2ForCausalLM
 
-from services.common import models
-from services.common.lm import CausalLM
-from services.drafter.engine import DraftModel
-from services.drafter.lean import LeanKV, LeanLM, supports
-from services.drafter.models import DraftSpec, load_draft_lm
-from services.drafter.vocab import restrict_vocab
+from specmesh_services.common import models
+from specmesh_services.common.lm import CausalLM
+from specmesh_services.drafter.engine import DraftModel
+from specmesh_services.drafter.lean import LeanKV, LeanLM, supports
+from specmesh_services.drafter.models import DraftSpec, load_draft_lm
+from specmesh_services.drafter.vocab import restrict_vocab
 
 ATOL = 1e-4
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 from torch import nn
 
-from kernels.linear import (Fp16Linear, PackedLinear, fp16_supports, fp16_weight_error,
+from specmesh_kernels.linear import (Fp16Linear, PackedLinear, fp16_supports, fp16_weight_error,
                             onednn_supports, pack_linears)
-from services.common import models
+from specmesh_services.common import models
 
 pytestmark = pytest.mark.skipif(onednn_supports(torch.float32) is not None,
                                 reason="oneDNN cannot run float32 linears here")

@@ -5,10 +5,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from services.common.sampling import Sampler, SamplingParams
-from services.common.tree import TokenTree, compile_tree
-from services.verifier.engine import VerifierEngine
-from services.verifier.walk import walk
+from specmesh_services.common.sampling import Sampler, SamplingParams
+from specmesh_services.common.tree import TokenTree, compile_tree
+from specmesh_services.verifier.engine import VerifierEngine
+from specmesh_services.verifier.walk import walk
 from specmesh.v1 import pool_pb2
 
 SEEDS = 3000

@@ -3,7 +3,7 @@ directories accepted, layer-truncated drafts."""
 import pytest
 import torch
 
-from services.common import models
+from specmesh_services.common import models
 
 
 def test_missing_package_names_what_to_install(tmp_path):

@@ -10,8 +10,8 @@ import asyncio
 import pytest
 import torch
 
-from services.common import models
-from services.embedded import EmbeddedMesh
+from specmesh_services.common import models
+from specmesh_services.embedded import EmbeddedMesh
 
 QUESTIONS = [0, 1, 2]
 MAX_TOKENS = 40

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.tree import TokenTree
-from services.router.policy import (BatchShare, PassTimes, StepChoice, TreeSizing, VerifyStep,
+from specmesh_services.common.tree import TokenTree
+from specmesh_services.router.policy import (BatchShare, PassTimes, StepChoice, TreeSizing, VerifyStep,
                                    bucket_of)
-from services.router.tree_size import AcceptanceProfile, LinearCost, best_size
+from specmesh_services.router.tree_size import AcceptanceProfile, LinearCost, best_size
 
 
 def feed(sizing: TreeSizing, cost: LinearCost, sizes=(0, 4, 8, 16), bucket: int = 1) -> None:
@@ -311,8 +311,8 @@ def test_length_mode_follows_the_minions_selector():
 def test_router_prices_each_arm_from_its_models_measured_cost():
     """The prior of an arm: one forward per level (depth min(n, depth)) of each model it drafts
     with; none for the datastore or where a model did not report a cost."""
-    from services.common.config import Settings
-    from services.router.engine import Router, TargetInfo
+    from specmesh_services.common.config import Settings
+    from specmesh_services.router.engine import Router, TargetInfo
 
     spec = Settings().with_overrides(**{
         "speculation.source": "both", "speculation.depth": 4, "speculation.selection": "lbss",

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from services.common.pool import MemoryPool, Pool, Taken, connect
-from services.common.pool.redis import RedisPool
+from specmesh_services.common.pool import MemoryPool, Pool, Taken, connect
+from specmesh_services.common.pool.redis import RedisPool
 from specmesh.v1 import common_pb2, pool_pb2
 
 TTL_S = 60.0

@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from kernels.linear import (INT4_GROUP, Int4Linear, Int8Linear, PackedLinear, cpu_has,
+from specmesh_kernels.linear import (INT4_GROUP, Int4Linear, Int8Linear, PackedLinear, cpu_has,
                             fp16_supports, int4_supports, int8_supports, onednn_supports,
                             quantize_linears)
-from services.drafter.engine import DraftModel
-from services.drafter.models import DraftSpec, build_draft_models
+from specmesh_services.drafter.engine import DraftModel
+from specmesh_services.drafter.models import DraftSpec, build_draft_models
 from test_lossless_greedy import assert_lossless_with_drafts  # noqa: E402
 
 needs_int8 = pytest.mark.skipif(int8_supports() is not None,

@@ -3,7 +3,7 @@ presence and frequency penalties); validation; seeded determinism; the protobuf 
 import pytest
 import torch
 
-from services.common.sampling import Sampler, SamplingParams, apply_penalties, probabilities
+from specmesh_services.common.sampling import Sampler, SamplingParams, apply_penalties, probabilities
 
 
 def reference_probabilities(logits, temperature, top_k, top_p):

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from services.router.selection import (Arm, EpsilonGreedy, GreedyByPromptLength, LBSSSelection,
+from specmesh_services.router.selection import (Arm, EpsilonGreedy, GreedyByPromptLength, LBSSSelection,
                                        make_selection)
 
 

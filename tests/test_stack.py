@@ -19,8 +19,8 @@ import pytest
 import redis
 
 from otlp import Collector
-from services.common.procs import free_port
-from services.stack import Stack
+from specmesh_services.common.procs import free_port
+from specmesh_services.stack import Stack
 from specmesh import AsyncClient, Client, InvalidRequest
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from test_lossless_greedy import assert_target_tokens  # noqa: E402  (tests/ is on the path)

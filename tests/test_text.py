@@ -1,7 +1,7 @@
 """Incremental detokenization and stop sequences, with the default model's tokenizer."""
 import pytest
 
-from services.common.text import TextStream
+from specmesh_services.common.text import TextStream
 
 
 def stream_all(tokenizer, text, stop=()):

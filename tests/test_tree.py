@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from services.common.tree import TokenTree, compile_tree
+from specmesh_services.common.tree import TokenTree, compile_tree
 
 
 def test_chain_parents_and_depths():

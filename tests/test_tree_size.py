@@ -4,8 +4,8 @@ import itertools
 
 import pytest
 
-from services.common.tree import TokenTree
-from services.router.tree_size import (AcceptanceProfile, LinearCost, StepTimeModel,
+from specmesh_services.common.tree import TokenTree
+from specmesh_services.router.tree_size import (AcceptanceProfile, LinearCost, StepTimeModel,
                                        TreeSizeConfig, TreeSizeSelector, best_size)
 
 # per-depth, per-rank acceptance probabilities p[d-1][k-1] for the hand/brute-force checks

@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 from prometheus_client import generate_latest
 
-from services.verifier.cost import VerifyCostModel
-from services.verifier.engine import StepStats
-from services.verifier.metrics import VerifierMetrics
+from specmesh_services.verifier.cost import VerifyCostModel
+from specmesh_services.verifier.engine import StepStats
+from specmesh_services.verifier.metrics import VerifierMetrics
 
 
 def sample(metrics: VerifierMetrics, name: str, labels: dict | None = None) -> float:

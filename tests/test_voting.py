@@ -1,8 +1,8 @@
 """Majority-voted speculator (Minions 3.2): the figure-5 example by hand, reward/punish updates."""
 import pytest
 
-from services.common.tree import TokenTree
-from services.router.voting import (MajorityVoter, VotingConfig, choose_tree, majority_vote,
+from specmesh_services.common.tree import TokenTree
+from specmesh_services.router.voting import (MajorityVoter, VotingConfig, choose_tree, majority_vote,
                                     merge, verify_union)
 
 # Figure 5 is an image; its text gives: S_u6 = (u1, u3, u6); w_u2 = w1 + w2 because SSM1 and

@@ -5,9 +5,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from services.common.sampling import Sampler, SamplingParams, apply_penalties, probabilities
-from services.common.tree import TokenTree, compile_tree
-from services.verifier.walk import walk
+from specmesh_services.common.sampling import Sampler, SamplingParams, apply_penalties, probabilities
+from specmesh_services.common.tree import TokenTree, compile_tree
+from specmesh_services.verifier.walk import walk
 
 V = 8
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from services.common.models import context_length
+from specmesh_services.common.models import context_length
 
 CACHES_ATTN = "specmesh-caches"
 

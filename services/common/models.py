@@ -216,7 +216,7 @@ def resolve_dtype(name: str) -> torch.dtype:
         return torch.bfloat16
     if torch.cuda.is_available():
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    from kernels.linear import cpu_has, fp16_supports
+    from specmesh_kernels.linear import cpu_has, fp16_supports
 
     if cpu_has("avx512_bf16", "amx_bf16") or fp16_supports() is None:
         return torch.bfloat16
@@ -229,7 +229,7 @@ def load_model(path: Path, dtype: torch.dtype, num_layers: int | None = None,
     norm and LM head): the layer-truncated draft of a target. `linear` picks the kernels of its
     linear layers (kernels/linear.py: "auto" packs them for oneDNN where the CPU runs the dtype,
     "torch" keeps transformers' own)."""
-    from kernels.linear import pack_linears
+    from specmesh_kernels.linear import pack_linears
 
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging

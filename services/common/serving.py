@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from services.common import telemetry
-from services.common.config import Settings
-from services.common.rpc import start_server
+from specmesh_services.common import telemetry
+from specmesh_services.common.config import Settings
+from specmesh_services.common.rpc import start_server
 
 log = logging.getLogger(__name__)
 

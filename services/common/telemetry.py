@@ -17,7 +17,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 
-from services.common.config import TelemetrySettings
+from specmesh_services.common.config import TelemetrySettings
 
 log = logging.getLogger(__name__)
 

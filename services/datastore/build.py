@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from services.common import models
-from services.common.config import Settings
-from services.datastore import corpus as corpora
-from services.datastore.engine import default_path
-from services.datastore.suffix import build_datastore
+from specmesh_services.common import models
+from specmesh_services.common.config import Settings
+from specmesh_services.datastore import corpus as corpora
+from specmesh_services.datastore.engine import default_path
+from specmesh_services.datastore.suffix import build_datastore
 
 
 def target_tokenizer(settings: Settings):

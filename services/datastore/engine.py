@@ -16,13 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.config import DatastoreSettings, Settings
-from services.common.rpc import FailedPrecondition
-from services.common.tree import TokenTree
-from services.datastore.corpus import tokenizer_family
-from services.datastore.fusion import DATASTORE, INPUT, Discounts, fuse
-from services.datastore.input_index import InputIndex
-from services.datastore.suffix import SuffixDatastore
+from specmesh_services.common.config import DatastoreSettings, Settings
+from specmesh_services.common.rpc import FailedPrecondition
+from specmesh_services.common.tree import TokenTree
+from specmesh_services.datastore.corpus import tokenizer_family
+from specmesh_services.datastore.fusion import DATASTORE, INPUT, Discounts, fuse
+from specmesh_services.datastore.input_index import InputIndex
+from specmesh_services.datastore.suffix import SuffixDatastore
 from specmesh.v1 import datastore_pb2
 
 log = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from services.common.tree import TokenTree
+from specmesh_services.common.tree import TokenTree
 
 DATASTORE = "datastore"
 INPUT = "input"

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.datastore.fusion import WeightedTree
+from specmesh_services.datastore.fusion import WeightedTree
 
 
 class InputIndex:

@@ -6,10 +6,10 @@ on a datastore built with another tokenizer than the target's.
 """
 from __future__ import annotations
 
-from services.common import models, serving
-from services.common.config import Settings
-from services.datastore.engine import LookupEngine, open_for_target
-from services.datastore.servicer import SERVICE_NAME, DatastoreServicer
+from specmesh_services.common import models, serving
+from specmesh_services.common.config import Settings
+from specmesh_services.datastore.engine import LookupEngine, open_for_target
+from specmesh_services.datastore.servicer import SERVICE_NAME, DatastoreServicer
 from specmesh.v1 import datastore_pb2_grpc
 
 

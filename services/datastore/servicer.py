@@ -5,8 +5,8 @@ import asyncio
 import time
 from concurrent.futures import Executor
 
-from services.common.rpc import rpc_errors
-from services.datastore.engine import LookupEngine, LookupRequest
+from specmesh_services.common.rpc import rpc_errors
+from specmesh_services.datastore.engine import LookupEngine, LookupRequest
 from specmesh.v1 import datastore_pb2, datastore_pb2_grpc
 
 SERVICE_NAME = "specmesh.v1.Datastore"

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.datastore.fusion import WeightedTree
+from specmesh_services.datastore.fusion import WeightedTree
 
 try:
     from tqdm import tqdm

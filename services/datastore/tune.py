@@ -26,14 +26,14 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from services.common import models
-from services.common.config import Settings
-from services.common.prompts import tuning_prompts
-from services.common.tree import TokenTree
-from services.datastore.engine import open_for_target
-from services.datastore.fusion import DATASTORE, INPUT, Discounts, WeightedTree, fuse
-from services.datastore.input_index import InputIndex
-from services.datastore.suffix import SuffixDatastore, write_meta
+from specmesh_services.common import models
+from specmesh_services.common.config import Settings
+from specmesh_services.common.prompts import tuning_prompts
+from specmesh_services.common.tree import TokenTree
+from specmesh_services.datastore.engine import open_for_target
+from specmesh_services.datastore.fusion import DATASTORE, INPUT, Discounts, WeightedTree, fuse
+from specmesh_services.datastore.input_index import InputIndex
+from specmesh_services.datastore.suffix import SuffixDatastore, write_meta
 
 GRID = {
     "datastore_decay": [1.0, 0.8],

@@ -23,8 +23,8 @@ from typing import NamedTuple
 
 import torch
 
-from services.common.lm import CausalLM, KVCache, Part
-from services.common.tree import TokenTree
+from specmesh_services.common.lm import CausalLM, KVCache, Part
+from specmesh_services.common.tree import TokenTree
 
 
 @dataclass

@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.common.lm import Part, part_layout, split_logits
-from services.common.models import context_length
+from specmesh_services.common.lm import Part, part_layout, split_logits
+from specmesh_services.common.models import context_length
 
 ARCHITECTURES = ("llama", "qwen2")
 

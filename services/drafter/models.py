@@ -18,14 +18,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.linear import draft_weights, pack_linears, quantize_linears
-from services.common import models
-from services.common.config import Settings
-from services.common.lm import CausalLM
-from services.drafter.engine import DraftModel
-from services.drafter.lean import LeanLM
-from services.drafter.lean import supports as lean_supports
-from services.drafter.vocab import frequent_tokens, restrict_vocab, token_counts
+from specmesh_kernels.linear import draft_weights, pack_linears, quantize_linears
+from specmesh_services.common import models
+from specmesh_services.common.config import Settings
+from specmesh_services.common.lm import CausalLM
+from specmesh_services.drafter.engine import DraftModel
+from specmesh_services.drafter.lean import LeanLM
+from specmesh_services.drafter.lean import supports as lean_supports
+from specmesh_services.drafter.vocab import frequent_tokens, restrict_vocab, token_counts
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def load_draft_lm(spec: DraftSpec, settings: Settings, target_path, label: str,
 def draft_vocabulary(settings: Settings, target_path) -> torch.Tensor:
     """The `draft_vocab` most frequent token ids of the target's datastore corpus, plus the
     tokenizer's special tokens (vocab.py)."""
-    from services.datastore.engine import open_for_target  # the datastore's files, not its service
+    from specmesh_services.datastore.engine import open_for_target  # the datastore's files, not its service
 
     tokenizer = models.load_tokenizer(target_path)
     try:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import Executor
 
-from services.common.rpc import rpc_errors
-from services.drafter.engine import DraftJob, DraftModel
+from specmesh_services.common.rpc import rpc_errors
+from specmesh_services.drafter.engine import DraftJob, DraftModel
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
 
 SERVICE_NAME = "specmesh.v1.Drafter"

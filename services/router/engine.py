@@ -27,18 +27,18 @@ from dataclasses import dataclass
 import grpc
 from opentelemetry import trace
 
-from services.common import telemetry
-from services.common.config import RouterSettings, SpeculationSettings
-from services.common.pool import Pool
-from services.common.sampling import SamplingParams
-from services.common.text import TextStream
-from services.common.tree import TokenTree
-from services.router.batching import MicroBatcher
-from services.router.policy import (BatchShare, PassTimes, RequestSizing, StepChoice,
+from specmesh_services.common import telemetry
+from specmesh_services.common.config import RouterSettings, SpeculationSettings
+from specmesh_services.common.pool import Pool
+from specmesh_services.common.sampling import SamplingParams
+from specmesh_services.common.text import TextStream
+from specmesh_services.common.tree import TokenTree
+from specmesh_services.router.batching import MicroBatcher
+from specmesh_services.router.policy import (BatchShare, PassTimes, RequestSizing, StepChoice,
                                     TreeSizing, VerifyStep, bucket_of)
-from services.router.selection import Arm, Selection, make_selection
-from services.router.voting import MajorityVoter, Vote, choose_tree
-from services.router.stats import RequestStats
+from specmesh_services.router.selection import Arm, Selection, make_selection
+from specmesh_services.router.voting import MajorityVoter, Vote, choose_tree
+from specmesh_services.router.stats import RequestStats
 from specmesh.v1 import common_pb2, datastore_pb2, drafter_pb2, pool_pb2, router_pb2
 
 log = logging.getLogger(__name__)

@@ -71,9 +71,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.common.tree import TokenTree
-from services.router.length import LengthConfig, SpeculationLengthSelector
-from services.router.tree_size import (AcceptanceProfile, LinearCost, StepTimeModel,
+from specmesh_services.common.tree import TokenTree
+from specmesh_services.router.length import LengthConfig, SpeculationLengthSelector
+from specmesh_services.router.tree_size import (AcceptanceProfile, LinearCost, StepTimeModel,
                                        TreeSizeConfig, best_size)
 from specmesh.v1 import common_pb2
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.router.bandit import LBSS, DrafterSpec
+from specmesh_services.router.bandit import LBSS, DrafterSpec
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Router process: `specmesh serve router` (or `python -m services.router`)."""
+"""Router process: `specmesh serve router`."""
 from __future__ import annotations
 
 import logging
@@ -6,12 +6,12 @@ from pathlib import Path
 
 import grpc
 
-from services.common import models, pool as pool_mod, serving
-from services.common.config import Settings
-from services.common.rpc import channel, start_server
-from services.datastore.corpus import tokenizer_family
-from services.router.engine import Router, TargetInfo
-from services.router.servicer import SERVICE_NAME, RouterServicer
+from specmesh_services.common import models, pool as pool_mod, serving
+from specmesh_services.common.config import Settings
+from specmesh_services.common.rpc import channel, start_server
+from specmesh_services.datastore.corpus import tokenizer_family
+from specmesh_services.router.engine import Router, TargetInfo
+from specmesh_services.router.servicer import SERVICE_NAME, RouterServicer
 from specmesh.v1 import (datastore_pb2, datastore_pb2_grpc, drafter_pb2, drafter_pb2_grpc,
                          router_pb2_grpc)
 

@@ -1,8 +1,8 @@
 """Router gRPC servicer: a thin stream over Router.generate."""
 from __future__ import annotations
 
-from services.common.rpc import rpc_errors
-from services.router.engine import Router
+from specmesh_services.common.rpc import rpc_errors
+from specmesh_services.router.engine import Router
 from specmesh.v1 import router_pb2_grpc
 
 SERVICE_NAME = "specmesh.v1.Router"

@@ -52,7 +52,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from services.common.tree import TokenTree
+from specmesh_services.common.tree import TokenTree
 
 
 @dataclass(frozen=True)

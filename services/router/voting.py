@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from services.common.tree import TokenTree
+from specmesh_services.common.tree import TokenTree
 
 
 @dataclass(frozen=True)

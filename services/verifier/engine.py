@@ -23,14 +23,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.backend import AttentionBackend, select_attention_backend
-from services.common.lm import CausalLM
-from services.common.sampling import Sampler, SamplingParams
-from services.common.tree import CompiledTree, TokenTree, compile_tree
-from services.verifier.cost import VerifyCostModel
-from services.verifier.kv import KVStore
-from services.verifier.packed import PackedTarget, Segment
-from services.verifier.walk import WalkResult, walk
+from specmesh_kernels.backend import AttentionBackend, select_attention_backend
+from specmesh_services.common.lm import CausalLM
+from specmesh_services.common.sampling import Sampler, SamplingParams
+from specmesh_services.common.tree import CompiledTree, TokenTree, compile_tree
+from specmesh_services.verifier.cost import VerifyCostModel
+from specmesh_services.verifier.kv import KVStore
+from specmesh_services.verifier.packed import PackedTarget, Segment
+from specmesh_services.verifier.walk import WalkResult, walk
 from specmesh.v1 import pool_pb2
 
 log = logging.getLogger(__name__)

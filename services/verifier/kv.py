@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.compaction import compact_kv_torch
+from specmesh_kernels.compaction import compact_kv_torch
 
 
 @dataclass

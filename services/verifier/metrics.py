@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from services.verifier.engine import StepStats, VerifierEngine
+from specmesh_services.verifier.engine import StepStats, VerifierEngine
 
 _ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 

@@ -22,9 +22,9 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kernels.backend import AttentionBackend
-from services.common.lm import attention_implementation, model_configs
-from services.verifier.kv import KVStore
+from specmesh_kernels.backend import AttentionBackend
+from specmesh_services.common.lm import attention_implementation, model_configs
+from specmesh_services.verifier.kv import KVStore
 
 log = logging.getLogger(__name__)
 

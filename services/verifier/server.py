@@ -1,17 +1,17 @@
-"""Verifier process: `specmesh serve verifier` (or `python -m services.verifier`)."""
+"""Verifier process: `specmesh serve verifier`."""
 from __future__ import annotations
 
 import asyncio
 import logging
 
-from services.common import models, pool as pool_mod, serving
-from services.common.config import Settings
-from services.common.lm import CausalLM
-from services.common.rpc import start_server
-from kernels.backend import select_attention_backend
-from services.verifier.engine import EngineLimits, VerifierEngine
-from services.verifier.servicer import SERVICE_NAME, VerifierServicer
-from services.verifier.worker import VerifierWorker, default_name
+from specmesh_services.common import models, pool as pool_mod, serving
+from specmesh_services.common.config import Settings
+from specmesh_services.common.lm import CausalLM
+from specmesh_services.common.rpc import start_server
+from specmesh_kernels.backend import select_attention_backend
+from specmesh_services.verifier.engine import EngineLimits, VerifierEngine
+from specmesh_services.verifier.servicer import SERVICE_NAME, VerifierServicer
+from specmesh_services.verifier.worker import VerifierWorker, default_name
 from specmesh.v1 import verifier_pb2_grpc
 
 log = logging.getLogger(__name__)

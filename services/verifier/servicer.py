@@ -1,8 +1,8 @@
 """Verifier gRPC servicer: what the pool does not carry (model info and counters)."""
 from __future__ import annotations
 
-from services.common.rpc import rpc_errors
-from services.verifier.worker import VerifierWorker
+from specmesh_services.common.rpc import rpc_errors
+from specmesh_services.verifier.worker import VerifierWorker
 from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
 
 SERVICE_NAME = "specmesh.v1.Verifier"

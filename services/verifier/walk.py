@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.sampling import Sampler
-from services.common.tree import CompiledTree
+from specmesh_services.common.sampling import Sampler
+from specmesh_services.common.tree import CompiledTree
 
 
 @dataclass(frozen=True)

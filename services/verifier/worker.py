@@ -28,11 +28,11 @@ from concurrent.futures import Executor
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
-from services.common import telemetry
-from services.common.config import VerifierSettings
-from services.common.pool import Pool, Taken
-from services.verifier.engine import VerifierEngine
-from services.verifier.metrics import VerifierMetrics
+from specmesh_services.common import telemetry
+from specmesh_services.common.config import VerifierSettings
+from specmesh_services.common.pool import Pool, Taken
+from specmesh_services.verifier.engine import VerifierEngine
+from specmesh_services.verifier.metrics import VerifierMetrics
 
 log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)

@@ -4,15 +4,15 @@ Drafts wait for a verifier, results wait for their router, request state survive
 `RedisPool` (Redis streams + consumer groups) is the distributed one; `MemoryPool` serves the
 embedded mode with the same contract (tests/test_pool_contract.py runs against both).
 """
-from services.common.pool.base import Pool, Taken
-from services.common.pool.memory import MemoryPool
+from specmesh_services.common.pool.base import Pool, Taken
+from specmesh_services.common.pool.memory import MemoryPool
 
 
 def connect(redis_url: str | None, prefix: str = "specmesh") -> Pool:
     """A RedisPool on `redis_url`, or a MemoryPool when it is None."""
     if redis_url is None:
         return MemoryPool()
-    from services.common.pool.redis import RedisPool
+    from specmesh_services.common.pool.redis import RedisPool
 
     return RedisPool(redis_url, prefix=prefix)
 

@@ -8,7 +8,7 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from services.common.pool.base import Pool, Taken
+from specmesh_services.common.pool.base import Pool, Taken
 from specmesh.v1 import pool_pb2
 
 

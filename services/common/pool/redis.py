@@ -27,7 +27,7 @@ from typing import TypeVar
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from services.common.pool.base import Pool, Taken
+from specmesh_services.common.pool.base import Pool, Taken
 from specmesh.v1 import pool_pb2
 
 VERIFIERS = "verifiers"  # consumer group of the drafts stream
