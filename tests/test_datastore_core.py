@@ -14,12 +14,8 @@ from pydantic import ValidationError
 from specmesh_services.common.config import DatastoreSettings
 from specmesh_services.common.rpc import FailedPrecondition
 from specmesh_services.common.tree import TokenTree
-from specmesh_services.datastore.engine import (
-    DatastoreMismatch,
-    LookupEngine,
-    LookupRequest,
-    check_family,
-)
+from specmesh_services.common.datastore_files import DatastoreMismatch, check_family
+from specmesh_services.datastore.engine import LookupEngine, LookupRequest
 from specmesh_services.datastore.fusion import Discounts, WeightedTree, fuse
 from specmesh_services.datastore.input_index import InputIndex
 from specmesh_services.datastore.suffix import SEPARATOR, SuffixDatastore, build_datastore

@@ -13,8 +13,8 @@ import pytest
 
 from specmesh_services import cli
 from specmesh_services.common.rpc import channel
+from specmesh_services.common.datastore_files import DatastoreMismatch, tokenizer_family
 from specmesh_services.datastore import corpus
-from specmesh_services.datastore.engine import DatastoreMismatch
 from specmesh_services.datastore.server import build_engine, start
 from specmesh_services.embedded import EmbeddedMesh
 from specmesh_services.router.server import check_datastore
@@ -94,7 +94,7 @@ def test_grpc_service_batched_lookup_lifecycle_and_errors(base_settings, small_d
             async with channel(f"127.0.0.1:{port}") as ch:
                 stub = datastore_pb2_grpc.DatastoreStub(ch)
                 info = await stub.Info(datastore_pb2.DatastoreInfoRequest())
-                assert info.tokenizer == corpus.tokenizer_family(tokenizer)
+                assert info.tokenizer == tokenizer_family(tokenizer)
                 assert info.num_tokens > 100_000 and info.num_documents > 400
                 prompts = [chat_prompt_ids(i) for i in range(3)]
                 items = [datastore_pb2.LookupItem(request_id=f"r{i}", new_tokens=p, max_nodes=8,

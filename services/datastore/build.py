@@ -6,9 +6,9 @@ import time
 from pathlib import Path
 
 from specmesh_services.common import models
+from specmesh_services.common.datastore_files import default_path, tokenizer_family
 from specmesh_services.common.config import Settings
 from specmesh_services.datastore import corpus as corpora
-from specmesh_services.datastore.engine import default_path
 from specmesh_services.datastore.suffix import build_datastore
 
 
@@ -22,7 +22,7 @@ def corpus_name(corpus: str) -> str:
 
 def output_dir(settings: Settings, corpus: str, tokenizer) -> Path:
     """The default directory of `corpus`'s datastore for the target's tokenizer family."""
-    return default_path(settings.cache_dir, corpora.tokenizer_family(tokenizer), corpus_name(corpus))
+    return default_path(settings.cache_dir, tokenizer_family(tokenizer), corpus_name(corpus))
 
 
 def build(settings: Settings, corpus: str = "sharegpt", out: Path | None = None,
@@ -30,7 +30,7 @@ def build(settings: Settings, corpus: str = "sharegpt", out: Path | None = None,
     """Builds the datastore of `corpus` for the target's tokenizer; returns (path, meta)."""
     source = corpora.resolve(corpus)
     tokenizer = tokenizer or target_tokenizer(settings)
-    family = corpora.tokenizer_family(tokenizer)
+    family = tokenizer_family(tokenizer)
     out = out or output_dir(settings, corpus, tokenizer)
     start = time.perf_counter()
     documents = corpora.tokenize(corpora.iter_texts(source, limit), tokenizer)

@@ -15,7 +15,6 @@ Documents are tokenized with the target's tokenizer (no special tokens) in batch
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import logging
@@ -134,10 +133,3 @@ def tokenize(texts: Iterable[str], tokenizer, batch_size: int = 512) -> Iterator
     if batch:
         yield from tokenizer(batch, add_special_tokens=False)["input_ids"]
 
-
-def tokenizer_family(tokenizer) -> str:
-    """Fingerprint of a tokenizer's token list: models whose vocabularies map the same strings to
-    the same ids share a datastore (the two Qwen2.5-Coder models do; chat templates may differ)."""
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
-    digest = hashlib.sha256("\n".join(f"{i}\t{s}" for s, i in vocab).encode("utf-8"))
-    return digest.hexdigest()[:16]

@@ -14,12 +14,11 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
+from specmesh_services.common import datastore_files
 from specmesh_services.common.config import DatastoreSettings, Settings
 from specmesh_services.common.rpc import FailedPrecondition
 from specmesh_services.common.tree import TokenTree
-from specmesh_services.datastore.corpus import tokenizer_family
 from specmesh_services.datastore.fusion import DATASTORE, INPUT, Discounts, fuse
 from specmesh_services.datastore.input_index import InputIndex
 from specmesh_services.datastore.suffix import SuffixDatastore
@@ -28,34 +27,9 @@ from specmesh.v1 import datastore_pb2
 log = logging.getLogger(__name__)
 
 
-class DatastoreMismatch(ValueError):
-    """The datastore was built with another tokenizer family than the target's."""
-
-
-def default_path(cache_dir: Path, family: str, corpus: str = "sharegpt") -> Path:
-    """Where `specmesh datastore build` puts a corpus's datastore for a tokenizer family."""
-    return cache_dir / "datastores" / f"{corpus}-{family}"
-
-
 def open_for_target(settings: Settings, tokenizer) -> SuffixDatastore:
-    """Opens the configured datastore (default: ShareGPT for the target's tokenizer family) and
-    refuses one built with another tokenizer."""
-    family = tokenizer_family(tokenizer)
-    path = settings.datastore.path or default_path(settings.cache_dir, family)
-    if not (path / "meta.json").is_file():
-        raise FileNotFoundError(f"no datastore at {path}: build it with `specmesh datastore build "
-                                f"--model {settings.model}` (or set --datastore-path)")
-    store = SuffixDatastore.open(path)
-    check_family(store.meta, family, path)
-    return store
-
-
-def check_family(meta: dict, family: str, path: Path | str) -> None:
-    if meta.get("tokenizer") != family:
-        raise DatastoreMismatch(
-            f"the datastore at {path} was built with tokenizer family {meta.get('tokenizer')} "
-            f"(model {meta.get('model')}), the target's is {family}: build one for this model "
-            f"with `specmesh datastore build --model ...`")
+    """Opens the configured datastore of the target's tokenizer family (datastore_files.locate)."""
+    return SuffixDatastore.open(datastore_files.locate(settings, tokenizer))
 
 
 @dataclass(frozen=True)

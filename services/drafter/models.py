@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from specmesh_kernels.linear import draft_weights, pack_linears, quantize_linears
-from specmesh_services.common import models
+from specmesh_services.common import datastore_files, models
 from specmesh_services.common.config import Settings
 from specmesh_services.common.lm import CausalLM
 from specmesh_services.drafter.engine import DraftModel
@@ -115,16 +115,14 @@ def load_draft_lm(spec: DraftSpec, settings: Settings, target_path, label: str,
 def draft_vocabulary(settings: Settings, target_path) -> torch.Tensor:
     """The `draft_vocab` most frequent token ids of the target's datastore corpus, plus the
     tokenizer's special tokens (vocab.py)."""
-    from specmesh_services.datastore.engine import open_for_target  # the datastore's files, not its service
-
     tokenizer = models.load_tokenizer(target_path)
     try:
-        store = open_for_target(settings, tokenizer)
+        store_path = datastore_files.locate(settings, tokenizer)
     except (FileNotFoundError, ValueError) as exc:
         raise ValueError(f"draft_vocab={settings.draft_vocab} counts tokens in the datastore's "
                          f"corpus: {exc}") from None
     vocab_size = models.load_config(target_path).vocab_size
-    counts = token_counts(store.path / "tokens.u32", vocab_size)
+    counts = token_counts(store_path / "tokens.u32", vocab_size)
     keep = frequent_tokens(counts, settings.draft_vocab, tokenizer.all_special_ids)
     covered = counts[keep.numpy()].sum() / max(1, counts.sum())
     log.info("draft vocabulary: %d of %d tokens (%.1f%% of the corpus's tokens)", keep.numel(),

@@ -9,7 +9,7 @@ import grpc
 from specmesh_services.common import models, pool as pool_mod, serving
 from specmesh_services.common.config import Settings
 from specmesh_services.common.rpc import channel, start_server
-from specmesh_services.datastore.corpus import tokenizer_family
+from specmesh_services.common.datastore_files import tokenizer_family
 from specmesh_services.router.engine import Router, TargetInfo
 from specmesh_services.router.servicer import SERVICE_NAME, RouterServicer
 from specmesh.v1 import (datastore_pb2, datastore_pb2_grpc, drafter_pb2, drafter_pb2_grpc,
