@@ -8,8 +8,10 @@
   specmesh datastore build|tune|info      the lookup datastore (SSSD drafting without a model)
   specmesh serve ROLE                     run one service (what `up`, compose and k8s start)
   specmesh health --address HOST:PORT     grpc.health.v1 check of a running service
+  specmesh config show|reference          the settings in effect (YAML) / their reference
 
-Settings also come from SPECMESH_* environment variables (see services/common/config.py).
+Settings come from (highest first) flags, SPECMESH_* environment variables, a YAML file
+(--config FILE) and the defaults; docs/configuration.md lists them all.
 """
 from __future__ import annotations
 
@@ -18,77 +20,16 @@ import asyncio
 import sys
 from pathlib import Path
 
-from specmesh_services.common.config import DEFAULT_GATEWAY_PORT, Settings
+from specmesh_services.common.config import DEFAULT_GATEWAY_PORT, SettingsError
+from specmesh_services.settings_cli import add_setting_flags, settings_from
+
+__all__ = ["build_parser", "main", "settings_from"]
 
 ROLES = ("gateway", "router", "drafter", "verifier", "datastore")
 
 
 # ---------------------------------------------------------------------------------------------
 # flags
-
-
-def _model_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model and speculation")
-    g.add_argument("--model", help="target model: a known name (specmesh models list) or a local "
-                                   "Hugging Face directory [default: smollm2-135m]")
-    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16"],
-                   help="weights dtype; auto = bfloat16 where the CPU/GPU runs it natively or "
-                        "FBGEMM's fp16 kernel runs its linear layers (x86), else float32")
-    g.add_argument("--draft", action="append", dest="drafters", metavar="SPEC",
-                   help="draft model: layers:N (the target's first N layers) or a model name/dir, "
-                        "optionally with @int8 or @int4 (quantized weights: about half the "
-                        "drafting time on a CPU, the output unchanged); repeatable [default: "
-                        "the target's preset]")
-    g.add_argument("--draft-vocab", type=int, metavar="N",
-                   help="draft models propose only the N most frequent tokens of the "
-                        "datastore's corpus (FR-Spec: a cheaper drafting forward, the output "
-                        "unchanged; needs the datastore) [0 = the whole vocabulary]")
-    g.add_argument("--depth", type=int, help="speculation length: draft tokens per path [8]")
-    g.add_argument("--width", type=int, help="tree width: nodes kept per level, 1 = chain [1]")
-    g.add_argument("--min-probability", type=float, metavar="P",
-                   help="draft models stop deepening the tree below a level whose likeliest "
-                        "node they give less than P (0 = always the full depth) [0.6]")
-    g.add_argument("--speculate", dest="source", choices=["model", "datastore", "both"],
-                   help="who drafts: the draft model, the lookup datastore (SSSD, needs "
-                        "`specmesh datastore build`), or both merged [model]")
-    g.add_argument("--max-nodes", type=int,
-                   help="node budget of a datastore (or merged) tree per step [8]")
-    g.add_argument("--tree-size", choices=["fixed", "adaptive", "length"],
-                   help="fixed: the configured tree every step; adaptive: per request and step "
-                        "the size with the most expected tokens/s, plain decoding when "
-                        "speculation cannot pay (ProPD); length: Minions' adaptive "
-                        "speculation length [adaptive]")
-    g.add_argument("--select", dest="selection",
-                   choices=["fixed", "lbss", "greedy", "epsilon-greedy"],
-                   help="which source drafts for which request: fixed = --speculate for all; "
-                        "lbss = SPIN's bandit over the datastore and each --draft model; "
-                        "greedy (by prompt length) and epsilon-greedy are SPIN's baselines "
-                        "[fixed]")
-    g.add_argument("--vote", dest="voting", action="store_true", default=None,
-                   help="majority vote (Minions): every --draft model (and the datastore with "
-                        "--speculate both) drafts each step; the weighted-majority path is "
-                        "verified")
-    g.add_argument("--cache-dir", type=Path, help="converted weights [~/.cache/specmesh]")
-    g = p.add_argument_group("datastore")
-    g.add_argument("--datastore-path", type=Path,
-                   help="datastore directory [the ShareGPT store of the target's tokenizer]")
-    g = p.add_argument_group("verifier (continuous batching, KV memory)")
-    g.add_argument("--batch-size", type=int,
-                   help="trees of different requests verified in one forward pass [8]")
-    g.add_argument("--max-batch-tokens", type=int,
-                   help="new rows per forward pass; longer prompts are prefilled in chunks [1024]")
-    g.add_argument("--kv-budget-tokens", type=int,
-                   help="KV rows for all requests together; when full, idle requests are evicted "
-                        "and re-prefilled later, new ones wait [16384]")
-    g.add_argument("--attention", choices=["auto", "torch", "triton", "flash-attn"],
-                   help="attention backend; auto = flash-attn/Triton on CUDA, torch on CPU")
-    g.add_argument("--metrics-port", type=int,
-                   help="serve the verifier's Prometheus metrics on this port")
-    g = p.add_argument_group("operations")
-    g.add_argument("--log-level", help="DEBUG, INFO, WARNING... [INFO]")
-    g.add_argument("--otlp-endpoint", help="export traces over OTLP/gRPC, e.g. localhost:4317")
-    g.add_argument("--trace-console", action="store_true", default=None,
-                   help="print spans to stderr")
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -110,31 +51,6 @@ def _sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", help="stop sequence (repeatable)")
     g.add_argument("--chat", action="store_true",
                    help="send the prompt as a user chat message (the model's chat template)")
-
-
-def settings_from(args: argparse.Namespace) -> Settings:
-    """Environment + defaults, overridden by the flags that were given."""
-    get = lambda name: getattr(args, name, None)  # noqa: E731
-    return Settings().with_overrides(
-        model=get("model"), dtype=get("dtype"), drafters=get("drafters"),
-        draft_vocab=get("draft_vocab"),
-        cache_dir=get("cache_dir"), log_level=get("log_level"), redis_url=get("redis_url"),
-        host=get("host"), port=get("port"), router_address=get("router_address"),
-        drafter_address=get("drafter_address"),
-        datastore_address=get("datastore_address"),
-        **{"speculation.depth": get("depth"), "speculation.width": get("width"),
-           "speculation.min_probability": get("min_probability"),
-           "speculation.source": get("source"), "speculation.max_nodes": get("max_nodes"),
-           "speculation.tree_size": get("tree_size"),
-           "speculation.selection": get("selection"),
-           "speculation.voting": get("voting"),
-           "datastore.path": get("datastore_path"),
-           "telemetry.otlp_endpoint": get("otlp_endpoint"),
-           "telemetry.console": get("trace_console"),
-           "verifier.batch_size": get("batch_size"),
-           "verifier.max_batch_tokens": get("max_batch_tokens"),
-           "verifier.kv_budget_tokens": get("kv_budget_tokens"),
-           "verifier.attention": get("attention"), "verifier.metrics_port": get("metrics_port")})
 
 
 def _request_kwargs(args: argparse.Namespace) -> dict:
@@ -170,7 +86,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from specmesh.types import Stats, finish_reason_name
 
     settings = settings_from(args)
-    setup_logging(settings.log_level if args.log_level else "WARNING")
+    # quiet unless a log level was asked for (flag, environment or --config file)
+    setup_logging(settings.log_level if "log_level" in settings.model_fields_set else "WARNING")
     prepare(settings)
 
     async def main() -> None:
@@ -305,6 +222,20 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
+def cmd_config_show(args: argparse.Namespace) -> int:
+    import yaml
+
+    print(yaml.safe_dump(settings_from(args).model_dump(mode="json"), sort_keys=False), end="")
+    return 0
+
+
+def cmd_config_reference(args: argparse.Namespace) -> int:
+    from specmesh_services.settings_cli import reference_markdown
+
+    print(reference_markdown(), end="")
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import importlib
 
@@ -327,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "prints the text as it is accepted, then the speculation stats.")
     p.add_argument("prompt", help="prompt text (raw, or a user message with --chat)")
     _sampling_flags(p)
-    _model_flags(p)
+    add_setting_flags(p, "run")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("up", help="start the stack as local processes",
@@ -335,13 +266,12 @@ def build_parser() -> argparse.ArgumentParser:
                                    "private redis-server (unless --redis-url) as local processes. "
                                    "Ctrl-C or `specmesh down` stops them all.")
     p.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT, help="gateway port [50051]")
-    p.add_argument("--redis-url", help="use this Redis instead of starting one")
     p.add_argument("--detach", action="store_true", help="return once the stack is up")
-    _model_flags(p)
+    add_setting_flags(p, "up")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("down", help="stop what `specmesh up` started")
-    p.add_argument("--cache-dir", type=Path, help=argparse.SUPPRESS)
+    add_setting_flags(p, "down")
     p.set_defaults(func=cmd_down)
 
     p = sub.add_parser("generate", help="generate through a running stack (gRPC)",
@@ -359,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "prepare: convert GGUF weights once into the cache.")
     p.add_argument("action", choices=["list", "prepare"])
     p.add_argument("names", nargs="*", help="models to prepare [the default model]")
-    p.add_argument("--cache-dir", type=Path, help="converted weights [~/.cache/specmesh]")
+    add_setting_flags(p, "models")
     p.set_defaults(func=cmd_models)
 
     p = sub.add_parser("health", help="check a service's grpc.health.v1 status",
@@ -374,13 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run one service in the foreground (used by `specmesh up`, "
                                    "docker-compose and the Kubernetes manifests).")
     p.add_argument("role", choices=ROLES)
-    p.add_argument("--host", help="listen address [127.0.0.1]")
-    p.add_argument("--port", type=int, help="listen port, 0 = any [0]")
-    p.add_argument("--redis-url", help="pool Redis (router, verifier)")
-    p.add_argument("--router-address", help="gateway -> router host:port")
-    p.add_argument("--drafter-address", help="router -> drafter host:port")
-    p.add_argument("--datastore-address", help="router -> datastore host:port")
-    _model_flags(p)
+    add_setting_flags(p, "serve")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser(
@@ -406,14 +330,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MT-Bench + HumanEval prompts generated as ground truth (tune) [40]")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per prompt (tune) [128]")
     p.add_argument("--force", action="store_true", help="rebuild an existing datastore (build)")
-    _model_flags(p)
+    add_setting_flags(p, "datastore")
     p.set_defaults(func=cmd_datastore)
+
+    p = sub.add_parser("config", help="the settings in effect, or the configuration reference",
+                       description="show: the settings this command line, the SPECMESH_* "
+                                   "environment and --config FILE give, as YAML (a file --config "
+                                   "reads). reference: docs/configuration.md, generated from "
+                                   "Settings.")
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    show = actions.add_parser("show", help="print the settings in effect as YAML")
+    add_setting_flags(show, "config show")
+    show.set_defaults(func=cmd_config_show)
+    ref = actions.add_parser("reference", help="print the configuration reference (Markdown)")
+    ref.set_defaults(func=cmd_config_reference)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; a setting that does not exist or cannot be parsed is a one-line error."""
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except SettingsError as err:
+        print(f"specmesh: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,29 +1,47 @@
 """Typed configuration of every specmesh process, in one place.
 
 Values come from (highest first) CLI flags, environment variables `SPECMESH_*` (nested sections
-with `__`, e.g. `SPECMESH_SPECULATION__DEPTH=6`), then the defaults below, which work out of the
-box: the default target model and its default draft, greedy chains of up to 8 tokens that stop
-where the draft is unsure, sized per request and step.
+with `__`, e.g. `SPECMESH_SPECULATION__DEPTH=6`), a YAML file (`--config FILE`, nested sections
+as mappings), then the defaults below, which work out of the box: the default target model and
+its default draft, greedy chains of up to 8 tokens that stop where the draft is unsure, sized per
+request and step. A key or `SPECMESH_*` variable that names no field is an error naming the
+nearest valid one. docs/configuration.md lists every setting (`specmesh config reference`).
 """
 from __future__ import annotations
 
+import difflib
 import json
+import os
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import (BaseSettings, EnvSettingsSource, NoDecode,
+                               PydanticBaseSettingsSource, SettingsConfigDict)
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_GATEWAY_PORT = 50051
+ENV_PREFIX = "SPECMESH_"
 
 
-class SpeculationSettings(BaseModel):
+class SettingsError(ValueError):
+    """A setting that names no field, or a value it cannot take: one line, meant for the user."""
+
+
+class Section(BaseModel):
+    """A nested settings section; a key that names none of its fields is an error, not dropped."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class SpeculationSettings(Section):
     """What the router asks the draft sources for: the tree shape, and how its size is chosen."""
 
-    # 8 with the confidence stop below: alternating prompt by prompt (bench.alternate, README
-    # "A slower Zen 4 host"), depth 8 ran 1.11x of depth 3 with the Qwen 1.5B target and its
-    # 0.5B draft (accepted 3.41 vs 2.48 tokens per step) and 1.08x with SmolLM2 (plain there)
+    # 8: long chains pay once the confidence stop below cuts them short
+    # (docs/decisions/serving-defaults.md)
     depth: int = Field(8, ge=0, le=64, description="draft tokens per path (0 = plain decoding)")
     width: int = Field(1, ge=1, le=64, description="nodes kept per depth level (1 = chain)")
     min_probability: float = Field(
@@ -64,7 +82,7 @@ class SpeculationSettings(BaseModel):
                                       "only, as Minions)")
 
 
-class DatastoreSettings(BaseModel):
+class DatastoreSettings(Section):
     """The lookup datastore service (SSSD): a suffix array over a corpus + per-request indexes."""
 
     path: Path | None = Field(None, description="datastore directory (`specmesh datastore build`); "
@@ -79,14 +97,16 @@ class DatastoreSettings(BaseModel):
                                                         "after this long without a lookup")
 
 
-class TelemetrySettings(BaseModel):
+class TelemetrySettings(Section):
     """OpenTelemetry export; off unless an OTLP endpoint or the console exporter is set."""
 
     otlp_endpoint: str | None = Field(None, description="OTLP/gRPC collector, e.g. localhost:4317")
     console: bool = Field(False, description="print finished spans to stderr (debugging)")
 
 
-class VerifierSettings(BaseModel):
+class VerifierSettings(Section):
+    """The verifier service: continuous batching of draft trees, KV memory, metrics."""
+
     batch_size: int = Field(8, ge=1, description="trees verified together in one forward pass")
     max_batch_tokens: int = Field(1024, ge=1, description="new rows per forward pass (trees + "
                                   "prefill chunks); long prompts are prefilled in chunks")
@@ -104,7 +124,9 @@ class VerifierSettings(BaseModel):
     name: str = Field("", description="consumer name in the pool (default: verifier-<pid>)")
 
 
-class RouterSettings(BaseModel):
+class RouterSettings(Section):
+    """The router service: per-request steps, back-pressure, micro-batching of draft calls."""
+
     step_timeout_s: float = Field(120.0, gt=0, description="give up on a step after this long")
     request_ttl_s: float = Field(3600.0, gt=0, description="pool state expiry of abandoned requests")
     max_pending_trees: int = Field(8, ge=0, description="back-pressure: pause drafting while this "
@@ -118,9 +140,10 @@ class Settings(BaseSettings):
     """Everything a specmesh process can be told. Each role reads the parts it needs."""
 
     model_config = SettingsConfigDict(env_prefix="SPECMESH_", env_nested_delimiter="__",
-                                      extra="ignore")
+                                      extra="forbid")
 
-    model: str = Field(DEFAULT_MODEL, description="target model: a known name or a local HF directory")
+    model: str = Field(DEFAULT_MODEL, description="target model: a known name "
+                       "(`specmesh models list`) or a local Hugging Face directory")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="target/draft dtype; auto = bfloat16 where the hardware runs it fast")
     linear: Literal["auto", "torch", "onednn", "fp16"] = Field(
@@ -131,8 +154,8 @@ class Settings(BaseSettings):
     drafters: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="draft models: 'layers:N' (first N layers of the target) or a model name/dir, "
-                    "optionally '@int8' or '@int4' (quantized weights); empty = the target's "
-                    "default draft")
+                    "optionally '@int8' or '@int4' (quantized weights: about half the drafting "
+                    "time on a CPU, the output unchanged); empty = the target's default draft")
     draft_vocab: int = Field(0, ge=0, description="draft models' LM heads over the N most "
                              "frequent tokens of the datastore's corpus (FR-Spec: a cheaper "
                              "drafting forward, the output unchanged); 0 = the whole vocabulary")
@@ -145,7 +168,8 @@ class Settings(BaseSettings):
     cache_dir: Path = Field(Path.home() / ".cache" / "specmesh", description="converted weights")
     run_dir: Path | None = Field(None, description="state and logs of `specmesh up` "
                                                    "[<cache_dir>/run]")
-    redis_url: str | None = Field(None, description="Redis of the pool (multi-process mode)")
+    redis_url: str | None = Field(None, description="Redis of the pool (multi-process mode; "
+                                                  "`specmesh up` starts its own when unset)")
     pool_prefix: str = Field("specmesh", description="key prefix of the pool in Redis")
     max_tokens_default: int = Field(256, ge=1, description="max_tokens when a request gives none")
     max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens accepted")
@@ -158,7 +182,7 @@ class Settings(BaseSettings):
     verifier: VerifierSettings = Field(default_factory=VerifierSettings)
     datastore: DatastoreSettings = Field(default_factory=DatastoreSettings)
     router: RouterSettings = Field(default_factory=RouterSettings)
-    log_level: str = Field("INFO", description="logging level")
+    log_level: str = Field("INFO", description="logging level: DEBUG, INFO, WARNING, ...")
 
     @field_validator("drafters", mode="before")
     @classmethod
@@ -175,14 +199,158 @@ class Settings(BaseSettings):
         return self.run_dir or self.cache_dir / "run"
 
     def with_overrides(self, **overrides: Any) -> "Settings":
-        """A copy with the given (non-None) fields replaced; nested sections as dicts or dotted keys."""
-        data = self.model_dump()
-        for key, value in overrides.items():
-            if value is None:
-                continue
-            section, _, leaf = key.partition(".")
-            if leaf:
-                data[section][leaf] = value
-            else:
-                data[key] = value
+        """A copy with the given (non-None) fields replaced; nested sections as dicts or dotted
+        keys. A key that names no field is a SettingsError naming the nearest one."""
+        given = {key: value for key, value in overrides.items() if value is not None}
+        check_keys(given)
+        return validate(deep_merge(self.model_dump(), nest(given)))
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings],
+                                   init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource,
+                                   dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource,
+                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Every Settings() read from the environment first refuses mistyped SPECMESH_* names."""
+        check_environment(os.environ)
+        return init_settings, env_settings, dotenv_settings, file_secret_settings
+
+
+# ---------------------------------------------------------------------------------------------
+# keys, variables and files: one check, errors that name the nearest valid setting
+
+
+def section_of(field: FieldInfo) -> type[Section] | None:
+    """The section model a field holds (`speculation` -> SpeculationSettings), else None."""
+    kind = field.annotation
+    return kind if isinstance(kind, type) and issubclass(kind, Section) else None
+
+
+def setting_fields(model: type[BaseModel] = Settings,
+                   prefix: str = "") -> Iterator[tuple[str, FieldInfo]]:
+    """Every leaf setting as (dotted key, field), sections expanded, in declaration order."""
+    for name, field in model.model_fields.items():
+        section = section_of(field)
+        if section is None:
+            yield prefix + name, field
+        else:
+            yield from setting_fields(section, f"{prefix}{name}.")
+
+
+def setting_keys() -> list[str]:
+    """Every valid dotted key: the leaves and the section names (a whole section is settable)."""
+    sections = [name for name, field in Settings.model_fields.items() if section_of(field)]
+    return [key for key, _ in setting_fields()] + sections
+
+
+def env_name(key: str) -> str:
+    """The variable of a dotted key: speculation.depth -> SPECMESH_SPECULATION__DEPTH."""
+    return ENV_PREFIX + key.replace(".", "__").upper()
+
+
+def nearest_key(name: str) -> str | None:
+    """The valid dotted key closest to `name` by spelling; a section's field named without its
+    section (`depth`) also finds it (`speculation.depth`)."""
+    keys = setting_keys()
+    candidates = {key.rpartition(".")[2]: key for key in keys if "." in key}
+    candidates.update({key: key for key in keys})
+    match = difflib.get_close_matches(name.lower(), candidates, n=1)
+    return candidates[match[0]] if match else None
+
+
+def unknown(name: str, nearest: str | None) -> SettingsError:
+    """The one error for a setting that does not exist."""
+    hint = f"did you mean {nearest}?" if nearest else "every setting is in docs/configuration.md"
+    return SettingsError(f"unknown setting {name}: {hint}")
+
+
+def check_keys(data: Mapping[str, Any], model: type[BaseModel] = Settings,
+               prefix: str = "") -> None:
+    """Raise SettingsError for a key (dotted `speculation.depth` or nested mappings, at any level)
+    that names no field: pydantic would refuse it too, but without the nearest valid name."""
+    for key, value in data.items():
+        head, _, rest = str(key).partition(".")
+        field = model.model_fields.get(head)
+        section = section_of(field) if field is not None else None
+        if field is None or (rest and section is None):
+            raise unknown(prefix + str(key), nearest_key(prefix + str(key)))
+        if section is not None and rest:
+            check_keys({rest: value}, section, f"{prefix}{head}.")
+        elif section is not None and isinstance(value, Mapping):
+            check_keys(value, section, f"{prefix}{head}.")
+
+
+def check_environment(environ: Mapping[str, str]) -> None:
+    """Raise SettingsError for a SPECMESH_* variable that names no setting (pydantic-settings
+    would ignore it silently). Names are case-insensitive, as pydantic-settings reads them."""
+    valid = {env_name(key) for key in setting_keys()}
+    for var in sorted(environ):
+        upper = var.upper()
+        if upper.startswith(ENV_PREFIX) and upper not in valid:
+            guess = nearest_key(upper.removeprefix(ENV_PREFIX).lower().replace("__", "."))
+            raise unknown(var, env_name(guess) if guess else None)
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A YAML settings file (nested sections as mappings) as a dict, its keys checked."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as err:
+        raise SettingsError(f"cannot read config file {path}: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        raise SettingsError(f"{path}: not valid YAML: {' '.join(str(err).split())}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise SettingsError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
+    try:
+        check_keys(data)
+    except SettingsError as err:
+        raise SettingsError(f"{path}: {err}") from None
+    return data
+
+
+def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """Dotted keys as nested dicts: {"speculation.depth": 4} -> {"speculation": {"depth": 4}}."""
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        *sections, leaf = key.split(".")
+        node = out
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[leaf] = value
+    return out
+
+
+def deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """`base` with `over` laid on top, sections merged key by key rather than replaced."""
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def validate(data: Mapping[str, Any]) -> Settings:
+    """Settings from plain data (no environment read), a bad value as a one-line SettingsError."""
+    try:
         return Settings.model_validate(data)
+    except ValidationError as err:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']} (got {e['input']!r})"
+                             for e in err.errors())
+        raise SettingsError(f"invalid setting {problems}") from None
+
+
+def load_settings(flags: Mapping[str, Any] | None = None,
+                  config_file: str | Path | None = None) -> Settings:
+    """The settings of a command: `flags` (dotted keys, None = not given) over the SPECMESH_*
+    environment over the YAML `config_file` over the defaults; every unknown name refused."""
+    check_environment(os.environ)
+    data = read_config_file(config_file) if config_file else {}
+    data = deep_merge(data, EnvSettingsSource(Settings)())
+    given = {key: value for key, value in (flags or {}).items() if value is not None}
+    check_keys(given)
+    return validate(deep_merge(data, nest(given)))
