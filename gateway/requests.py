@@ -5,7 +5,6 @@ INVALID_ARGUMENT.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from specmesh_services.common.sampling import SamplingParams
@@ -42,12 +41,7 @@ def to_route_request(request: gateway_pb2.GenerateRequest, model: ServedModel,
     prompt_ids = _tokenize(request, model)
     max_tokens = _max_tokens(request, model, len(prompt_ids))
     sampling = SamplingParams.from_pb(request.sampling)
-    if math.isnan(sampling.temperature) or math.isnan(sampling.top_p):
-        raise ValueError("temperature and top_p must be numbers")
-    for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
-        if math.isnan(getattr(sampling, name)):
-            raise ValueError(f"{name} must be a number, got NaN")
-    sampling.validate()
+    sampling.validate()  # NaN and infinities included
     _check_stop(list(request.stop))
     return router_pb2.RouteRequest(request_id=request_id, prompt_ids=prompt_ids,
                                    max_tokens=max_tokens, sampling=sampling.to_pb(),

@@ -5,8 +5,8 @@
 """
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Generic, TypeVar
 
 import grpc
 
@@ -35,12 +35,9 @@ def build_request(
     presence_penalty: float | None = None,
     frequency_penalty: float | None = None,
 ) -> gateway_pb2.GenerateRequest:
-    """Builds the gateway request; the gateway validates the values and explains what is wrong.
-
-    Penalties (unset = off) apply to the target's logits before temperature / top-k / top-p,
-    also at temperature 0: repetition_penalty (> 0, 1 = off; HF semantics over prompt +
-    generated tokens), presence_penalty and frequency_penalty (in [-2, 2], 0 = off; OpenAI
-    semantics over generated tokens only)."""
+    """Builds the gateway request from raw `prompt` text or chat `messages`; the other
+    parameters are described in `Client.generate`. The gateway validates every value and says
+    what is wrong (`InvalidRequest`)."""
     sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k)
     if top_p is not None:
         sampling.top_p = top_p
@@ -62,6 +59,15 @@ def build_request(
     else:
         request.prompt = prompt if prompt is not None else ""
     return request
+
+
+def _call(args: dict[str, Any]) -> tuple[gateway_pb2.GenerateRequest, float | None]:
+    """The request and the call's deadline from a client method's `locals()`: each method
+    spells its parameters once, in its signature, and passes them on whole. A timeout of None
+    is the client's."""
+    timeout = args["timeout"] if args["timeout"] is not None else args["self"]._timeout
+    args = {name: value for name, value in args.items() if name not in ("self", "timeout")}
+    return build_request(**args), timeout
 
 
 def _message(m: Message) -> gateway_pb2.ChatMessage:
@@ -89,16 +95,92 @@ def _channel_args(options: Mapping[str, Any] | None) -> list[tuple[str, Any]]:
 
 
 # ---------------------------------------------------------------------------------------------
+# the generation methods, shared by both clients
+
+Result = TypeVar("Result")  # what generate / chat return: a Generation, or an awaitable of one
+Chunks = TypeVar("Chunks")  # what stream / stream_chat return: an iterator of Chunks, or an async one
+
+
+class _Generating(Generic[Result, Chunks]):
+    """generate / chat / stream / stream_chat, written once for `Client` and `AsyncClient`:
+    each builds the request (keyword parameters: see `generate`) and hands it to the client's
+    `_unary` or `_stream`."""
+
+    _timeout: float | None = None  # the client's deadline of a call (seconds), None = none
+
+    def generate(self, prompt: str, *, model: str = "", max_tokens: int | None = None,
+                 temperature: float = 0.0, top_p: float | None = None, top_k: int = 0,
+                 seed: int | None = None, stop: Sequence[str] | str | None = None,
+                 repetition_penalty: float | None = None, presence_penalty: float | None = None,
+                 frequency_penalty: float | None = None, timeout: float | None = None) -> Result:
+        """Completes raw `prompt` (tokenized as is, no chat template); returns the whole
+        generation.
+
+        Args:
+            model: model name; "" selects the gateway's default.
+            max_tokens: new tokens at most (>= 1); None selects the gateway's default.
+            temperature: softmax temperature (>= 0); 0 decodes greedily.
+            top_p: nucleus sampling mass in (0, 1]; None = 1 (off).
+            top_k: keep only the k most likely tokens (>= 0); 0 = off.
+            seed: seed of the request's random stream (same seed, same output); None = random.
+            stop: stop sequence(s) (at most 16, non-empty), left out of the returned text.
+            repetition_penalty: > 0, HF semantics over prompt + generated tokens; None or 1 = off.
+            presence_penalty: in [-2, 2], OpenAI semantics over generated tokens; None or 0 = off.
+            frequency_penalty: in [-2, 2], OpenAI semantics over generated tokens; None or 0 = off.
+            timeout: seconds this call may take; None = the client's timeout.
+
+        Penalties apply to the target's logits before temperature / top-k / top-p, also at
+        temperature 0. Every number must be finite (NaN and infinities are refused)."""
+        return self._unary(*_call(locals()))
+
+    def chat(self, messages: Iterable[Message], *, model: str = "",
+             max_tokens: int | None = None, temperature: float = 0.0, top_p: float | None = None,
+             top_k: int = 0, seed: int | None = None, stop: Sequence[str] | str | None = None,
+             repetition_penalty: float | None = None, presence_penalty: float | None = None,
+             frequency_penalty: float | None = None, timeout: float | None = None) -> Result:
+        """Answers chat `messages` ({"role": ..., "content": ...} or (role, content)),
+        formatted with the model's chat template. Keyword parameters: as `generate`."""
+        return self._unary(*_call(locals()))
+
+    def stream(self, prompt: str, *, model: str = "", max_tokens: int | None = None,
+               temperature: float = 0.0, top_p: float | None = None, top_k: int = 0,
+               seed: int | None = None, stop: Sequence[str] | str | None = None,
+               repetition_penalty: float | None = None, presence_penalty: float | None = None,
+               frequency_penalty: float | None = None, timeout: float | None = None) -> Chunks:
+        """`generate`, yielding chunks as the target accepts tokens; the last one has
+        `finish_reason` set. Breaking off the iteration cancels the generation. Keyword
+        parameters: as `generate`."""
+        return self._stream(*_call(locals()))
+
+    def stream_chat(self, messages: Iterable[Message], *, model: str = "",
+                    max_tokens: int | None = None, temperature: float = 0.0,
+                    top_p: float | None = None, top_k: int = 0, seed: int | None = None,
+                    stop: Sequence[str] | str | None = None,
+                    repetition_penalty: float | None = None,
+                    presence_penalty: float | None = None,
+                    frequency_penalty: float | None = None,
+                    timeout: float | None = None) -> Chunks:
+        """`chat`, streamed like `stream`. Keyword parameters: as `generate`."""
+        return self._stream(*_call(locals()))
+
+    def _unary(self, request: gateway_pb2.GenerateRequest, timeout: float | None) -> Result:
+        raise NotImplementedError
+
+    def _stream(self, request: gateway_pb2.GenerateRequest, timeout: float | None) -> Chunks:
+        raise NotImplementedError
+
+
+# ---------------------------------------------------------------------------------------------
 # blocking client
 
 
-class Client:
+class Client(_Generating[Generation, Iterator[Chunk]]):
     """Blocking client of a specmesh gateway at `address` ("host:port").
 
     `generate(prompt, ...)` takes raw text (no chat template); `chat(messages, ...)` formats
-    messages with the model's chat template; `stream(...)` yields chunks as tokens are accepted.
-    Keyword arguments: model, max_tokens, temperature (0 = greedy), top_p, top_k, seed, stop,
-    repetition_penalty, presence_penalty, frequency_penalty (see `build_request`).
+    messages with the model's chat template; `stream(...)` / `stream_chat(...)` yield chunks as
+    tokens are accepted. Their keyword parameters are described in `generate`; `timeout`
+    (seconds, per call or for every call of the client) bounds a call.
     """
 
     def __init__(self, address: str, *, timeout: float | None = None,
@@ -111,32 +193,21 @@ class Client:
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
         self._timeout = timeout
 
-    def generate(self, prompt: str, **kwargs: Any) -> Generation:
-        return self._unary(build_request(prompt=prompt, **kwargs))
-
-    def chat(self, messages: Iterable[Message], **kwargs: Any) -> Generation:
-        return self._unary(build_request(messages=messages, **kwargs))
-
-    def stream(self, prompt: str, **kwargs: Any) -> Iterator[Chunk]:
-        return self._stream(build_request(prompt=prompt, **kwargs))
-
-    def stream_chat(self, messages: Iterable[Message], **kwargs: Any) -> Iterator[Chunk]:
-        return self._stream(build_request(messages=messages, **kwargs))
-
     def models(self) -> gateway_pb2.ListModelsResponse:
         try:
             return self._stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=self._timeout)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 
-    def _unary(self, request: gateway_pb2.GenerateRequest) -> Generation:
+    def _unary(self, request: gateway_pb2.GenerateRequest, timeout: float | None) -> Generation:
         try:
-            return _generation(self._stub.Generate(request, timeout=self._timeout))
+            return _generation(self._stub.Generate(request, timeout=timeout))
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 
-    def _stream(self, request: gateway_pb2.GenerateRequest) -> Iterator[Chunk]:
-        call = self._stub.GenerateStream(request, timeout=self._timeout)
+    def _stream(self, request: gateway_pb2.GenerateRequest,
+                timeout: float | None) -> Iterator[Chunk]:
+        call = self._stub.GenerateStream(request, timeout=timeout)
         try:
             for pb in call:
                 yield _chunk(pb)
@@ -159,8 +230,9 @@ class Client:
 # asyncio client
 
 
-class AsyncClient:
-    """asyncio client of a specmesh gateway; same methods as `Client`, as coroutines."""
+class AsyncClient(_Generating[Awaitable[Generation], AsyncIterator[Chunk]]):
+    """asyncio client of a specmesh gateway; same methods as `Client`: `generate` and `chat`
+    return awaitables, `stream` and `stream_chat` async iterators."""
 
     def __init__(self, address: str, *, timeout: float | None = None,
                  credentials: grpc.ChannelCredentials | None = None,
@@ -172,32 +244,22 @@ class AsyncClient:
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
         self._timeout = timeout
 
-    async def generate(self, prompt: str, **kwargs: Any) -> Generation:
-        return await self._unary(build_request(prompt=prompt, **kwargs))
-
-    async def chat(self, messages: Iterable[Message], **kwargs: Any) -> Generation:
-        return await self._unary(build_request(messages=messages, **kwargs))
-
-    def stream(self, prompt: str, **kwargs: Any) -> AsyncIterator[Chunk]:
-        return self._stream(build_request(prompt=prompt, **kwargs))
-
-    def stream_chat(self, messages: Iterable[Message], **kwargs: Any) -> AsyncIterator[Chunk]:
-        return self._stream(build_request(messages=messages, **kwargs))
-
     async def models(self) -> gateway_pb2.ListModelsResponse:
         try:
             return await self._stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=self._timeout)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 
-    async def _unary(self, request: gateway_pb2.GenerateRequest) -> Generation:
+    async def _unary(self, request: gateway_pb2.GenerateRequest,
+                     timeout: float | None) -> Generation:
         try:
-            return _generation(await self._stub.Generate(request, timeout=self._timeout))
+            return _generation(await self._stub.Generate(request, timeout=timeout))
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 
-    async def _stream(self, request: gateway_pb2.GenerateRequest) -> AsyncIterator[Chunk]:
-        call = self._stub.GenerateStream(request, timeout=self._timeout)
+    async def _stream(self, request: gateway_pb2.GenerateRequest,
+                      timeout: float | None) -> AsyncIterator[Chunk]:
+        call = self._stub.GenerateStream(request, timeout=timeout)
         try:
             async for pb in call:
                 yield _chunk(pb)

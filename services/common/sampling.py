@@ -22,6 +22,18 @@ import torch
 from specmesh.v1 import common_pb2
 
 
+def require_finite(name: str, value: float) -> None:
+    """Raises ValueError naming the field when `value` is NaN or infinite. A range check alone
+    does not do: every comparison with NaN is false, so `if x < 0: raise` lets it through."""
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+
+
+# the float fields of common.proto's SamplingParams
+FLOAT_FIELDS = ("temperature", "top_p", "repetition_penalty", "presence_penalty",
+                "frequency_penalty")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy (argmax)
@@ -33,8 +45,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI semantics over generated tokens; 0 = off, [-2, 2]
 
     def validate(self) -> None:
-        """Raises ValueError with a message that says what to fix."""
-        if not self.temperature >= 0:  # also rejects NaN
+        """Raises ValueError with a message that names the field and says what to fix."""
+        for name in FLOAT_FIELDS:
+            require_finite(name, getattr(self, name))
+        if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
@@ -42,12 +56,12 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
-        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+        if not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off, > 1 "
                              f"discourages repeats, e.g. 1.1-1.3), got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not -2 <= value <= 2:  # also rejects NaN
+            if not -2 <= value <= 2:
                 raise ValueError(f"{name} must be in [-2, 2] (0 = off, > 0 discourages repeats), "
                                  f"got {value}")
 

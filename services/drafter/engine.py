@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 
 from specmesh_services.common.lm import CausalLM, KVCache, Part
+from specmesh_services.common.sampling import require_finite
 from specmesh_services.common.tree import TokenTree
 
 
@@ -49,6 +50,23 @@ class DraftJob(NamedTuple):
     depth: int
     width: int
     min_probability: float = 0.0  # stop below a level this unsure (module docstring)
+
+
+MAX_DEPTH = 64  # tree levels a draft may ask for (the speculation depth's limit)
+MAX_WIDTH = 64  # nodes per level
+
+
+def check_job(item: DraftJob) -> None:
+    """Raises ValueError naming the field when a draft's shape is out of range (NaN and
+    infinities included): checked for every item before any is committed."""
+    require_finite("min_probability", item.min_probability)
+    if not 0.0 <= item.min_probability < 1.0:
+        raise ValueError(f"min_probability must be in [0, 1), got {item.min_probability}")
+    if not 0 <= item.depth <= MAX_DEPTH:
+        raise ValueError(f"depth must be in [0, {MAX_DEPTH}], got {item.depth}")
+    if not 0 <= item.width <= MAX_WIDTH:
+        raise ValueError(f"width must be in [0, {MAX_WIDTH}] (0 and 1 draft a chain), "
+                         f"got {item.width}")
 
 
 class DraftModel:
@@ -108,8 +126,7 @@ class DraftModel:
         if len({item.request_id for item in items}) < len(items):  # a request twice: in turn
             return [self.draft_many([item])[0] for item in items]
         for item in items:
-            if not 0.0 <= item.min_probability < 1.0:
-                raise ValueError(f"min_probability must be in [0, 1), got {item.min_probability}")
+            check_job(item)
         states = []
         for request_id, new_tokens, *_ in items:
             state = self.requests.get(request_id)
