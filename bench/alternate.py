@@ -1,10 +1,10 @@
 """Mesh configurations compared prompt by prompt, alternating, at batch 1.
 
-A shared 2-core machine's speed drifts by up to half within a run (the eleventh session's host:
-the same forward took 57 ms in one hour and 86 ms in the next), so two configurations timed one
-after the other differ by more than most changes make. Here every configuration is loaded once,
-side by side in one process, and each prompt runs through all of them in turn (the order
-reversed every other prompt): each prompt's figures come from the same minute.
+A shared 2-core machine's speed drifts by up to half within a run, so two configurations timed
+one after the other differ by more than most changes make (docs/decisions/benchmark-method.md).
+Here every configuration is loaded once, side by side in one process, and each prompt runs
+through all of them in turn (the order reversed every other prompt): each prompt's figures come
+from the same minute.
 
     python -m bench.alternate --model qwen2.5-coder-1.5b --dtype bfloat16 --draft-vocab 32768 \\
         --drafts qwen2.5-coder-0.5b@auto --set speculation.depth=8 speculation.tree_size=fixed \\
@@ -33,7 +33,7 @@ from dataclasses import asdict
 
 from bench.run import Config, MethodResult, _record, load_prompts, save_report
 from specmesh_services.common import models
-from specmesh_services.common.config import Settings
+from specmesh_services.common.config import Settings, check_keys
 from specmesh_services.common.serving import compute_executor
 
 
@@ -63,18 +63,6 @@ def parse_config(text: str) -> tuple[str, dict]:
         raise argparse.ArgumentTypeError(f"a configuration needs a name: {text!r}")
     # split at the commas that start the next KEY=, not those inside a JSON list value
     return name, parse_overrides([p for p in re.split(r",(?=[\w.]+=)", rest) if p])
-
-
-def check_keys(overrides: dict) -> None:
-    """Every key names a Settings field (`section.field` for sections): Settings ignores unknown
-    keys, and a misspelt one would compare a configuration with itself."""
-    for key in overrides:
-        section, _, leaf = key.partition(".")
-        field = Settings.model_fields.get(section)
-        known = field is not None and (
-            not leaf or leaf in getattr(field.annotation, "model_fields", {}))
-        if not known:
-            raise ValueError(f"unknown setting {key!r}")
 
 
 def summary(results: dict[str, MethodResult]) -> list[dict]:

@@ -1,4 +1,4 @@
-"""Benchmark of issue 3: throughput under concurrent requests, and padded vs packed verification.
+"""Throughput under concurrent requests, and padded vs packed batched verification.
 
 One process run per invocation, the same prompts for every method (MT-Bench first turns + a few
 HumanEval problems, chat template, greedy, 128 new tokens):
@@ -14,7 +14,7 @@ forward of the same trees over a padded DynamicCache, rows computed, argmax agre
     python -m bench.batch                                  # both models, bf16, c = 1,4,8 (~30 min)
     python -m bench.batch --models smollm2-135m --quick    # smoke run, < 3 min
     python -m bench.batch --dtype both --draft qwen2.5-coder-0.5b=layers:16
-Writes bench/results/issue3-batch.json and .md. Run it alone on the machine: timings of two
+Writes bench/results/batch.json and .md. Run it alone on the machine: timings of two
 torch processes sharing the cores mean nothing.
 """
 from __future__ import annotations
@@ -40,13 +40,13 @@ from specmesh_services.common.serving import compute_executor
 from specmesh_services.common.tree import TokenTree, compile_tree
 from specmesh.v1 import common_pb2, pool_pb2
 
-NAME = "issue3-batch"
+NAME = "batch"
 MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b")
-GOAL = (1.3, 1.0)  # speedup at the largest batch, and everywhere (issues 3+; reported only)
+GOAL = (1.3, 1.0)  # target speedup at the largest batch, and at every batch (reported only)
 QUICK = {"prompts": 8, "max_tokens": 32, "concurrency": "1,4,8", "reps": 3}
 FULL = {"prompts": 16, "max_tokens": 128, "concurrency": "1,4,8", "reps": 10}
-# layer-truncated drafts: greedy top-1 agreement with the target, measured on 4 prompts x 48 tokens
-# (bf16): Qwen2.5-Coder-0.5B truncated to 8 / 12 / 16 / 20 of 24 layers: 1% / 1% / 13% / 55%
+# layer-truncated drafts with the best agreement with their target
+# (docs/decisions/serving-defaults.md, default drafts)
 DRAFTS = {"smollm2-135m": "layers:24", "qwen2.5-coder-0.5b": "layers:20"}
 
 
@@ -314,7 +314,7 @@ def _goal(rows: list[dict]) -> str:
     top = max(rows, key=lambda r: r["concurrency"])
     low = min(rows, key=lambda r: r["speedup"])
     ok = top["speedup"] >= GOAL[0] and low["speedup"] >= GOAL[1]
-    return (f"Goal (reached by later issues): >= {GOAL[0]}x plain at batch {top['concurrency']}, "
+    return (f"Goal: >= {GOAL[0]}x plain at batch {top['concurrency']}, "
             f"never below {GOAL[1]}x. Here: {top['speedup']:.2f}x at batch {top['concurrency']}, "
             f"lowest {low['speedup']:.2f}x (batch {low['concurrency']}): "
             f"{'met' if ok else 'not met'}.")

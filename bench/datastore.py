@@ -1,4 +1,4 @@
-"""Benchmark of issue 4: the lookup datastore (SSSD) as a drafter.
+"""The lookup datastore (SSSD) as a drafter: build cost, acceptance, lookup latency, end to end.
 
 One process run, the same prompts for every method (MT-Bench first turns, chat template, and
 HumanEval problems, raw; greedy, 128 new tokens):
@@ -19,7 +19,7 @@ HumanEval problems, raw; greedy, 128 new tokens):
     python -m bench.datastore --e2e                 # + the 1.5B end-to-end run (hours on 2 cores)
     python -m bench.datastore --e2e-only --e2e-mtbench 16 --e2e-humaneval 8   # add it later
     python -m bench.datastore --quick               # smoke run: 6 prompts x 32 tokens
-Writes bench/results/issue4-datastore.json and .md. Run it alone on the machine.
+Writes bench/results/datastore.json and .md. Run it alone on the machine.
 """
 from __future__ import annotations
 
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         config = replace(config, mtbench=4, humaneval=2, max_tokens=32)
     compute = compute_executor()
-    name = "issue4-datastore" + ("-quick" if args.quick else "")
+    name = "datastore" + ("-quick" if args.quick else "")
     if args.e2e_only:  # added to the earlier report where there is one
         path = RESULTS / f"{name}.json"
         report = (json.loads(path.read_text()) if path.is_file() else

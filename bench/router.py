@@ -1,5 +1,5 @@
-"""Benchmark of issue 5: the router's mechanisms, one added at a time (Minions figure 10 / SPIN
-figure 11 style), plus LBSS against SPIN's two selection baselines.
+"""The router's mechanisms, one added at a time (Minions figure 10 / SPIN figure 11 style),
+plus LBSS against SPIN's two selection baselines.
 
 One process run per model x dtype, the same prompts for every method (MT-Bench first turns, one
 question per category first, and HumanEval problems; greedy, 128 new tokens), at batch 1 (one
@@ -31,7 +31,7 @@ size), since a shared machine's speed drifts over a run of several minutes.
     python -m bench.router --model qwen2.5-coder-1.5b --dtype bfloat16 \
         --drafts qwen2.5-coder-0.5b@auto layers:8
     python -m bench.router --quick                           # smoke run: 4 prompts x 32 tokens
-Writes bench/results/issue5-router-<model>-<dtype>[-<tag>].json and .md. Run it alone on the
+Writes bench/results/router-<model>-<dtype>[-<tag>].json and .md. Run it alone on the
 machine.
 """
 from __future__ import annotations
@@ -158,11 +158,9 @@ def run(config: Config, drafts: tuple[str, str], levels: list[int], nodes: int,
     """`save(report)` is called after every method: a long run interrupted keeps what it did.
 
     `bracketed`: plain decoding is timed again after every specmesh method and each method's
-    speedup is against the mean of the plain runs just before and after it. A shared 2-core
-    VM's speed drifts: the same plain run took 62 ms per token in one hour and 86 ms in the
-    next, so a baseline timed once at the start of a 15-minute run mismeasured the methods at
-    its end (mesh-plain at 0.93x where, timed alternately with `generate` prompt by prompt, it
-    ran at 1.00x)."""
+    speedup is against the mean of the plain runs just before and after it: a shared machine's
+    speed drifts within a run, and a baseline timed once at its start mismeasures the methods
+    at its end (docs/decisions/benchmark-method.md)."""
     settings = Settings(model=config.model, dtype=config.dtype,
                         draft_vocab=draft_vocab).with_overrides(**{
         "speculation.depth": config.depth, "speculation.width": config.width,
@@ -286,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         config = replace(config, mtbench=3, humaneval=1, max_tokens=32)
     compute = compute_executor()
-    name = (f"issue5-router-{args.model}-{dtype}" + ("-quick" if args.quick else "")
+    name = (f"router-{args.model}-{dtype}" + ("-quick" if args.quick else "")
             + (f"-{args.tag}" if args.tag else ""))
     head = {"machine": platform.processor() or platform.machine(),
             "date": time.strftime("%Y-%m-%d")}

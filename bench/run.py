@@ -1,4 +1,5 @@
-"""Benchmark of issue 2: one process run, the same prompts, every method.
+"""Every decoding method on the same prompts in one process run: plain, transformers' assisted
+and prompt-lookup generation, specmesh embedded and as a multi-process stack.
 
 Methods, batch 1, greedy:
   plain              transformers `generate` of the target (the reference and the baseline)
@@ -10,7 +11,7 @@ Reported per method: tok/s, speedup vs plain, mean accepted length (tokens per t
 pass, bonus counted), outputs identical to plain's; and the stack/embedded tok/s ratio (the cost
 of distribution for the same algorithm and model).
 
-    python -m bench.run                      # the issue-2 suite (4 configurations, ~1.5 h here)
+    python -m bench.run                      # the `methods` suite (4 configurations, ~1.5 h)
     python -m bench.run --model smollm2-135m --draft layers:24 --dtype bfloat16 --mtbench 4
 Writes bench/results/<name>.json and .md.
 """
@@ -55,7 +56,8 @@ class Config:
 
 
 SUITES = {
-    "issue2": [
+    # both default targets with their drafts, float32 and bfloat16, fixed chains
+    "methods": [
         Config("smollm2-135m", "layers:24", "float32"),
         Config("smollm2-135m", "layers:24", "bfloat16"),
         Config("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "float32", depth=4),
@@ -188,7 +190,7 @@ def _hf_generate(model, ids: list[int], max_new: int, pad: int, extra: dict) -> 
 def mesh_settings(config: Config) -> Settings:
     return Settings(model=config.model, dtype=config.dtype, drafters=[config.draft]).with_overrides(
         **{"speculation.depth": config.depth, "speculation.width": config.width,
-           "speculation.tree_size": "fixed"})  # the configured tree every step, as in issue 2
+           "speculation.tree_size": "fixed"})  # the configured tree every step, never sized
 
 
 def run_embedded(config: Config, prompts: list[Prompt], compute: Executor,
@@ -306,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", choices=sorted(SUITES), help="predefined configurations "
-                        "[issue2 when no --model is given]")
+                        "[methods when no --model is given]")
     parser.add_argument("--model", help="target model")
     parser.add_argument("--draft", default="layers:24", help="draft spec [layers:24]")
     parser.add_argument("--dtype", nargs="+", default=["bfloat16"], help="[bfloat16]")
@@ -318,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset")
     parser.add_argument("--name", help="output file name [the suite or configuration name]")
     args = parser.parse_args(argv)
-    suite = args.suite or (None if args.model else "issue2")
+    suite = args.suite or (None if args.model else "methods")
     if suite is None:
         configs = [Config(args.model, args.draft, d, args.depth, args.width, args.mtbench,
                           args.humaneval, args.max_tokens) for d in args.dtype]

@@ -1,8 +1,8 @@
 """Decomposed (split-KV) tree attention: SPIN's request decomposition, merged by log-sum-exp.
 
-SPIN (papers/spin-*.txt, section V.A "Fast Batch Verification", eq. 13) cuts long requests'
-KV into pieces that line up with short requests, replicating the query rows per piece (its
-figure 9), and keeps attention exact by normalizing each row over ALL keys of its request. We
+SPIN (section V.A "Fast Batch Verification", eq. 13) cuts long requests' KV into pieces that
+line up with short requests, replicating the query rows per piece (its figure 9), and keeps
+attention exact by normalizing each row over ALL keys of its request. We
 compute that normalization the flashinfer way (cascade `merge_state`): every piece yields a
 partial output v and the log-sum-exp s of its scores, and pieces are merged exactly:
 

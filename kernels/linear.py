@@ -1,50 +1,24 @@
-"""Linear layers for small row counts on CPU: weights packed once for oneDNN.
+"""Linear layers for small row counts on CPU: weights packed once for oneDNN, and quantized
+weights for draft models.
 
-Why: a verify step multiplies every weight matrix by root + tree rows (1-64 per request), a shape
-where torch's default CPU GEMM (MKL sgemm) re-packs the whole weight matrix on every call. On an
-AMD EPYC with AVX2 (where these figures were measured) MKL's cost grows almost linearly with the rows: Qwen2.5-1.5B's
-MLP up-projection (8960 x 1536, float32) takes 3.7 ms for 1 row, 22 ms for 8 and 31 ms for 32,
-so verifying 8 tokens cost ~4x a plain step and speculation could not pay. oneDNN with the weight
-reordered once into its blocked layout (what torch.compile's CPU weight freezing does) reads the
-weights once per call: 3.4 / 5.3 / 14 ms for the same shapes. `python -m bench.linear` measures
-a whole model's step (Qwen2.5-1.5B fp32, 300 cached tokens: 8 rows 4.6x one row with torch's
-linear, 1.67x packed).
-
-oneDNN costs ~0.1 ms more per call than torch's single-row product (a matrix-vector product), which
-outweighs the bandwidth it saves on small matrices: SmolLM2-135M's one-row step took 151 ms packed
-vs 131 ms with torch's. Layers of at most `DENSE_ONE_ROW_MAX` weights therefore keep their dense
-matrix too and run one-row calls through torch (double memory for those layers only: SmolLM2's
-hidden layers, the attention projections of the Qwen models; their MLPs and LM heads are larger).
-
-bfloat16: oneDNN packs bf16 weights only on CPUs with AVX512-BF16/AVX-NE-CONVERT; elsewhere
-(`auto`) bf16 models keep torch's linear, whose cost grows linearly with the rows on such CPUs.
-On CPUs with AVX512-BF16 / AMX (an Intel Xeon in this project's 2026-11-23 runs) `auto` packs bf16.
+A verify step multiplies every weight matrix by root + tree rows (1-64 per request), a shape
+where torch's default CPU GEMM re-packs the whole weight on every call and its cost grows almost
+linearly with the rows. `pack_linears` replaces a model's nn.Linear layers by `PackedLinear`
+(weights reordered once into oneDNN's blocked layout: cost nearly flat in the rows) or, for bf16
+models on CPUs without bf16 arithmetic, `Fp16Linear` (FBGEMM's fp16-weight GEMM); small layers
+keep their dense matrix for one-row calls (`DENSE_ONE_ROW_MAX`). Measurements:
+docs/decisions/cpu-linear-kernels.md.
 
     pack_linears(model, "auto")   # every nn.Linear -> PackedLinear where oneDNN takes its dtype
 
-Draft models may also run with int8 weights (`quantize_linears`, `Int8Linear`): a draft's
-output only has to be a good guess (the target verifies every token, so the served output does
-not change), and at batch 1 a draft forward reads every weight once, so its time is the bytes
-of its weights. Qwen2.5-Coder-0.5B drafting one token: 58.6 ms in bf16 (oneDNN packed), 29 ms
-with int8 weights (an AMD EPYC Zen 4 with AVX512-BF16/VNNI, 2 cores), against 140 ms for a
-step of the 1.5B target: the draft's cost per token falls from 0.42 to 0.2 of a target step.
-Never used for a target: the target's own numbers are what the output must equal.
+Draft models may also run with int8 (`Int8Linear`) or int4 (`Int4Linear`) weights: a draft only
+guesses (the target verifies every token, so the served output does not change) and at batch 1
+its time is the bytes of its weights. int4 on AVX512 CPUs, int8 elsewhere (`draft_weights`, a
+spec's `@auto`): faster drafting per token (docs/decisions/draft-quantization.md). Never used
+for a target: the target's own numbers are what the output must equal.
 
-    quantize_linears(draft_model)  # every nn.Linear -> Int8Linear (float32 activations)
-
-or int4 weights (`Int4Linear`, `quantize_linears(model, "int4")`): 4-bit codes with a scale and
-an offset per group of 32 inputs, multiplied by torch's CPU int4 kernel
-(`aten._weight_int4pack_mm_for_cpu`, bf16 activations inside the product, float32 around it).
-On the Zen 4 above it guesses better than int8, whose per-tensor activation rounding costs more
-than 4-bit weights in groups of 32: top-1 agreement of the 0.5B with the 1.5B target's greedy
-continuations (12 bench prompts) 0.824 int4 vs 0.783 int8 vs 0.826 float32; and it is a little
-faster (a drafting forward ~16 vs ~18 ms: the kernel unpacks 4-bit codes at ~26 GB/s, not at
-the memory's ~45 GB/s, so halving the bytes buys less than half the time).
-
-On AVX2-only CPUs (an AMD EPYC Zen 3, 2 cores, ~17 GB/s) the balance turns: the int4 kernel
-unpacks at ~4 GB/s and a drafting forward of the 0.5B (32k-token head) takes ~80 ms, int8
-~48 ms, fp16 weights through FBGEMM ~75 ms; int8 there has 7-bit weight codes (`Int8Linear`:
-no VNNI), top-1 agreement 0.733 against 0.778 for int4 and bf16 (24 bench prompts).
+    quantize_linears(draft_model)           # every nn.Linear -> Int8Linear (float32 activations)
+    quantize_linears(draft_model, "int4")   # 4-bit codes in groups of 32 (torch's CPU int4 kernel)
 """
 from __future__ import annotations
 
@@ -61,7 +35,9 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 BACKENDS: tuple[str, ...] = ("auto", "torch", "onednn", "fp16")  # config.Settings.linear
-DENSE_ONE_ROW_MAX = 1 << 20  # weights; see the module docstring
+# weights; up to this, torch's one-row product beats oneDNN's per-call overhead
+# (docs/decisions/cpu-linear-kernels.md)
+DENSE_ONE_ROW_MAX = 1 << 20
 
 
 class PackedLinear(nn.Module):
@@ -117,11 +93,8 @@ class Fp16Linear(nn.Module):
     which converts weight tiles to float32 in registers (F16C) and accumulates in float32.
     The input is taken in its own dtype, multiplied in float32, and returned in that dtype.
 
-    Why: on AVX2-only CPUs (an AMD EPYC Zen 3 in the 2026-11-24 runs) torch's bf16 linear is a
-    matrix-vector product per row, so its cost grows linearly with the rows: Qwen2.5-1.5B's MLP
-    up-projection (8960 x 1536) took 1.6 ms for 1 row, 11.7 ms for 8, 22.5 ms for 16, and
-    verifying 8 tokens cost ~5.5x a plain step; a 600-token prompt took minutes to prefill.
-    FBGEMM's fp16 kernel: 1.3 / 1.4 / 3.1 / 4.3 ms for 1 / 4 / 8 / 16 rows.
+    Why: on AVX2-only CPUs torch's bf16 linear is a matrix-vector product per row, so its cost
+    grows linearly with the rows; FBGEMM's stays nearly flat (docs/decisions/cpu-linear-kernels.md).
 
     Numbers: a bf16 value whose exponent lies in float16's normal range (|w| in [2^-14, 65504])
     is exactly a float16 (bf16 has 7 mantissa bits, float16 10), and bf16 x bf16 products are
@@ -256,14 +229,12 @@ class Int8Linear(nn.Module):
 
     Without VNNI (AVX2, AVX512 without VNNI) FBGEMM multiplies through `vpmaddubsw`, which adds
     pairs of u8 x s8 products in int16 and saturates: 2 * 255 * 127 overflows 32767, and
-    full-range int8 gave garbage there (a 0.5B Qwen draft's top-1 agreed with its target on
-    26% of tokens). FBGEMM's own remedy, `reduce_range`, halves the activations' range (7 bits),
-    and one outlier channel of a row then costs every other channel half its resolution.
-    `narrow` halves the weights' range instead: codes in [-63, 63], one scale per row, so a
-    pair stays within 2 * 255 * 63 = 32130 and the activations keep 8 bits. Relative error of
-    a product with a few outlier channels ~4% against ~8% with reduce_range; the 0.5B Qwen
-    draft's top-1 agreement with the 1.5B target on MT-Bench + HumanEval went from 68.8% to
-    73.3% (bf16 weights: 77.8%). `narrow=None`: narrow on CPUs without VNNI."""
+    full-range int8 gives garbage there. FBGEMM's own remedy, `reduce_range`, halves the
+    activations' range (7 bits), and one outlier channel of a row then costs every other channel
+    half its resolution. `narrow` halves the weights' range instead: codes in [-63, 63], one
+    scale per row, so a pair stays within 2 * 255 * 63 = 32130 and the activations keep 8 bits:
+    about half reduce_range's error and better draft agreement
+    (docs/decisions/draft-quantization.md). `narrow=None`: narrow on CPUs without VNNI."""
 
     def __init__(self, linear: nn.Linear, narrow: bool | None = None):
         super().__init__()
@@ -275,9 +246,8 @@ class Int8Linear(nn.Module):
         levels = 63 if narrow else 127
         scale = (weight.abs().amax(dim=1).clamp(min=1e-12) / levels).double()
         with warnings.catch_warnings():
-            # torch marks its quantized tensors deprecated; FBGEMM's prepacked int8 product is
-            # still the fastest int8 linear on x86 CPUs in torch 2.13 (2x torch's weight-only
-            # int8 kernel and `_int_mm` here). Should a torch drop it, `int8_supports` says so.
+            # deprecated in torch, still its fastest int8 linear on x86 (docs/decisions/
+            # draft-quantization.md). Should a torch drop it, `int8_supports` says so.
             warnings.filterwarnings("ignore", message=".*quantize_per_.*deprecated")
             qweight = torch.quantize_per_channel(
                 weight, scale, torch.zeros(self.out_features, dtype=torch.long), 0,
@@ -316,15 +286,14 @@ class Int4Linear(nn.Module):
     attention in bf16 is several times slower for one row). Rows are padded to a multiple of
     16 (the kernel's tile) and the padding sliced off.
 
-    The int4 kernel is built for few rows: prefilling a 600-token prompt through the 0.5B Qwen
-    took 2.64 s with it against 0.95 s with bf16 weights packed for oneDNN (Zen 4, two cores),
-    and a draft's prefill is on the request's critical path (the first drafted step waits
-    for it). The layer therefore also keeps its weights rounded to bf16 for calls of
-    `dense_rows` rows or more (default INT4_DENSE_ROWS): packed for oneDNN where it runs bf16,
-    else as an Fp16Linear (AVX2 CPUs); more memory (2 bytes per weight besides the 4-bit
-    codes), the prefill at the speed of those kernels. A draft's guesses
-    need not be exact, so its prompt rows may come from bf16 weights and its drafted ones from
-    int4. `dense_rows=None`: int4 for every call."""
+    The int4 kernel is built for few rows and prefills ~3x slower than bf16 weights packed for
+    oneDNN, while a draft's prefill is on the request's critical path
+    (docs/decisions/draft-quantization.md). The layer therefore also keeps its weights rounded
+    to bf16 for calls of `dense_rows` rows or more (default INT4_DENSE_ROWS): packed for oneDNN
+    where it runs bf16, else as an Fp16Linear (AVX2 CPUs); more memory (2 bytes per weight
+    besides the 4-bit codes), the prefill at the speed of those kernels. A draft's guesses need
+    not be exact, so its prompt rows may come from bf16 weights and its drafted ones from int4.
+    `dense_rows=None`: int4 for every call."""
 
     def __init__(self, linear: nn.Linear, group_size: int = INT4_GROUP,
                  dense_rows: int | None = INT4_DENSE_ROWS):
@@ -397,11 +366,9 @@ def draft_weights() -> str | None:
     `@auto`): int4 where torch dispatches its AVX512 kernels, int8 elsewhere, None (float
     weights) where neither runs.
 
-    torch's CPU int4 GEMM kernel is vectorized for AVX512 only; on AVX2 it runs a generic loop
-    that unpacks ~4 GB/s: a drafting forward of the 0.5B Qwen took ~80 ms with int4, ~48 with int8
-    (Zen 3, AVX2), against ~16 and ~18 ms on a Zen 4 with AVX512. int4 guesses better (top-1
-    agreement with the 1.5B target 0.778 against 0.733 for int8 on AVX2), which does not pay
-    for 1.7x the time. Probed once per process."""
+    torch's CPU int4 GEMM kernel is vectorized for AVX512 only; on AVX2 its generic loop makes
+    int4 drafting ~1.7x slower than int8, more than its better guesses repay
+    (docs/decisions/draft-quantization.md). Probed once per process."""
     if torch.backends.cpu.get_cpu_capability().startswith("AVX512") and int4_supports() is None:
         return "int4"
     if int8_supports() is None:

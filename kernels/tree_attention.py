@@ -68,9 +68,8 @@ def tree_attention_ref(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_slots, tree
 
 # ---------------------------------------------------------------------------------------------
 # CPU serving path
-# Segments with at most this many new rows go through `_padded_attention`. One: with 2-8 rows
-# SDPA's CPU kernel was as fast as the padded matmuls (Qwen2.5 1.5B, bf16, 8 segments of 300
-# positions: 4-row trees 179 ms per pass either way, 1-row steps 170 ms by SDPA, 116 ms padded).
+# Segments with at most this many new rows go through `_padded_attention`. One: from 2 rows on
+# SDPA is as fast as the padded matmuls (docs/decisions/cpu-tree-attention.md).
 SMALL_SEGMENT_ROWS = 1
 
 
@@ -81,10 +80,9 @@ def tree_attention_torch(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_slots, tr
     plain decoding step: the root alone) all at once by `_padded_attention`; the others (trees,
     prefill chunks) by SDPA per segment in q's dtype (SDPA accumulates in float32 internally).
 
-    Why not SDPA for all: torch's CPU flash kernel is built for blocks of query rows; for one
-    row over 300 positions (Qwen2.5 1.5B heads, bf16, two cores) it took 300 us per call where
-    two batched matmuls take 60 us, and it is called once per segment per layer: a verify pass
-    of eight one-row segments of 300 positions took 170 ms with it, 116 ms without."""
+    Why not SDPA for all: torch's CPU flash kernel is built for blocks of query rows and is
+    several times slower than two matmuls for one row, once per segment per layer
+    (docs/decisions/cpu-tree-attention.md)."""
     meta = meta or TreeBatch.build(qo_indptr, kv_indptr, kv_slots, tree_mask, mask_indptr)
     check_inputs(q, k_cache, v_cache, meta)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [T, H, D]

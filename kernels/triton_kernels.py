@@ -49,7 +49,9 @@ def _attend_block(acc, m_i, l_i, q, scale_log2, K, V, SLOTS, MASK, kv_off, start
     kv_ptr = slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
     k = tl.load(K + kv_ptr, mask=d_ok[None, :], other=0.0)
     v = tl.load(V + kv_ptr, mask=d_ok[None, :], other=0.0)
-    if DOT_F32:  # the interpreter's tl.dot multiplies bf16 bit patterns (triton issue #11584)
+    # the interpreter's tl.dot multiplies bf16 bit patterns:
+    # https://github.com/triton-lang/triton/issues/11584
+    if DOT_F32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]

@@ -1,6 +1,7 @@
-"""The router's adaptive mechanisms end to end (issue 5), in an embedded mesh on the default model
-in float32: outputs stay the target's own greedy output with them all on (20 MT-Bench questions,
-4 concurrent), and every step's decision is returned in the request's stats."""
+"""The router's adaptive mechanisms end to end (ProPD tree size, LBSS drafter selection, majority
+voting, micro-batched drafting), in an embedded mesh on the default model in float32: outputs
+stay the target's own greedy output with them all on (20 MT-Bench questions, 4 concurrent), and
+every step's decision is returned in the request's stats."""
 from __future__ import annotations
 
 import asyncio

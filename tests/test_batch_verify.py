@@ -1,4 +1,4 @@
-"""Batched verification (issue 3) on the real model, engine level: trees of 8 requests of
+"""Batched verification on the real model, engine level: trees of 8 requests of
 different prompt lengths verified in one packed forward per step give each request exactly the
 target's greedy output (== the request alone == `generate`), with tree sizes that differ between
 requests and change between steps; at temperature 1 the emitted tokens of batched requests follow

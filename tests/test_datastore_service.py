@@ -1,4 +1,4 @@
-"""The datastore as a service (issue 4): the gRPC service on a real port with a datastore built
+"""The lookup datastore as a service: the gRPC service on a real port with a datastore built
 from real ShareGPT records and the default model's tokenizer, the corpus readers, the CLI, the
 tokenizer-family check, and lossless greedy decoding with the datastore as the only drafter
 (embedded mesh, 20 MT-Bench questions, == the target's own `generate`)."""

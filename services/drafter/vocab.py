@@ -2,10 +2,9 @@
 speculative sampling, Zhao et al. 2025).
 
 Why: a small draft spends a large share of each drafting forward in its LM head, because the
-vocabulary is large: Qwen2.5-Coder-0.5B's head is 151,936 x 896 (136M of its 494M weights), and
-on an AVX2 EPYC the int4 head took 12.6 ms of a ~55 ms drafting forward (int8: 8.9 of ~44).
-Most of those rows are tokens a chat or code answer almost never uses. FR-Spec keeps the head's
-rows for the k most frequent tokens of a corpus; the draft then only proposes those tokens.
+vocabulary is large (docs/decisions/draft-vocabulary.md), and most of its rows are tokens a chat
+or code answer almost never uses. FR-Spec keeps the head's rows for the k most frequent tokens
+of a corpus; the draft then only proposes those tokens.
 
 Lossless: the target verifies every drafted token and emits its own token wherever the draft was
 wrong, so a token outside the subset is still generated (by the target), only never guessed.
@@ -13,9 +12,9 @@ For sampling, the draft distribution is the softmax over the subset (zero elsewh
 proposal distribution for the rejection rule.
 
 Frequencies: token counts over the lookup datastore's corpus (ShareGPT tokenized with the
-target's tokenizer, `specmesh datastore build --model ...`): with the Qwen tokenizer the 32,768
-most frequent tokens cover 97.7% of its 25.7M tokens (65,536: 99.8%). The tokenizer's special
-tokens (end of turn, end of text) are always kept. Deviation from the paper: it counts tokens of
+target's tokenizer, `specmesh datastore build --model ...`; with the Qwen tokenizer 32,768
+tokens cover 97.7% of it). The tokenizer's special tokens (end of turn, end of text) are always
+kept. Deviation from the paper: it counts tokens of
 SlimPajama; we count the corpus the datastore already holds, so no second corpus is needed.
 
     keep = frequent_tokens(counts, k=32768, always=tokenizer.all_special_ids)

@@ -1,8 +1,8 @@
 """Learning-based SSM selection (LBSS) of SPIN: which drafter serves which request.
 
-SPIN (papers/spin-heterogeneous-drafters-bandit-decomposed-batching.txt, section IV) treats the
-choice of a drafter ("SSM": a layer-truncated target, a small model, the lookup datastore) per
-request as a multi-armed bandit whose reward is *goodput*: target-accepted tokens per second the
+SPIN (section IV: heterogeneous drafters, bandit selection) treats the choice of a drafter
+("SSM": a layer-truncated target, a small model, the lookup datastore) per request as a
+multi-armed bandit whose reward is *goodput*: target-accepted tokens per second the
 request gets from that drafter. Time is cut into slots, slots into epochs k = 1, 2, ...
 (Algorithm 1, Fig. 8):
 
@@ -20,9 +20,9 @@ context there. `likely_destination` names where a request goes at the next chang
 next chunk's random draw, drawn in advance, or the matching the next exploitation would make)
 so the caller can prefill there during the drafter's idle time.
 
-Where it sits: the router calls `assign` once per slot with its live requests, `observe` with
-each verification result (accepted tokens, seconds), `next_slot` at the end of the slot. Plain
-Python + numpy + scipy: no gRPC, no Redis, no torch.
+Where it sits: the router's selection (selection.py, `lbss`) calls `assign` once per slot with
+its live requests, `observe` with each verification result (accepted tokens, seconds),
+`next_slot` at the end of the slot. Plain Python + numpy + scipy: no gRPC, no Redis, no torch.
 
     lbss = LBSS([DrafterSpec("layers-8", replicas=2, capacity=4), DrafterSpec("lookup", 1, 16)])
     while requests:
@@ -31,7 +31,8 @@ Python + numpy + scipy: no gRPC, no Redis, no torch.
         lbss.observe(id, placement[id].drafter, accepted_tokens, seconds)
         lbss.next_slot()
 
-Deviations from the paper (each marked `deviation:` where it is coded):
+Deviations from the paper (each marked `deviation:` where it is coded; the measurements behind
+4, 5, 8, 9 and 10: docs/decisions/drafter-selection.md):
 1. Replicas: the paper's "B_j replicas of SSM j" are batch slots; here a drafter has `replicas`
    instances each batching `capacity` requests (B_j = replicas * capacity). Goodput is learnt
    per drafter, placement is per instance, and moving between instances is a switch too.
@@ -44,9 +45,8 @@ Deviations from the paper (each marked `deviation:` where it is coded):
    exploration ones); an unobserved (request, drafter) pair gets the drafter's mean over all
    requests (the paper leaves it undefined), and that mean also counts as `prior_weight`
    observations of every pair: one step's goodput varies several-fold (a 1-token step against
-   an 8-token one), and a pair seen once or twice matched on its raw mean let one lucky step
-   of the 8-layer truncated Qwen draft (~10 tok/s on average, ~30 for the 0.5B draft) hold a
-   HumanEval request for 21 of its 30 steps. `prior_weight=0` is the raw mean.
+   an 8-token one), and matched on its raw mean one lucky step held a request on a poor
+   drafter. `prior_weight=0` is the raw mean.
 5. Requests come and go (the paper's set N is fixed): one arriving mid-chunk / mid-stage is placed
    in the free capacity (random draw / matching on the free columns); the others keep theirs.
    A placement the matching made on a drafter the request had never been observed on (its
@@ -54,8 +54,7 @@ Deviations from the paper (each marked `deviation:` where it is coded):
    again at the next slot, on what that slot taught, until it is placed on a drafter it has
    been observed on. Algorithm 1 explores only at the start of each epoch and its
    exploitation stages double in length, so with requests of a few dozen steps most of them
-   arrive inside a stage; kept there for the whole stage on a pooled mean, a math request
-   spent its 45 steps on the datastore at 15 tok/s where the 0.5B Qwen draft gave it 35.
+   arrive inside a stage, and a whole stage on a pooled mean can be a request's whole life.
 6. More requests than total capacity: the overflow gets `None` (no drafter: plain decoding, the
    verifier's bonus token only); the paper's constraint (5) assumes every request gets an SSM.
 7. In exploitation the predicted destination is the matching the stage would solve now, not the
@@ -63,28 +62,25 @@ Deviations from the paper (each marked `deviation:` where it is coded):
 8. Exploration does not draw a drafter on which the request is known to decode plainly
    (`assign(..., idle=)`: the caller's tree-size policy has measured that no tree from that
    drafter pays for this request now). Such a slot would be a plain step whatever the drafter,
-   so it teaches the bandit only the plain rate, at the plain rate: with one request in flight
-   (Qwen 1.5B / SmolLM2 targets on two CPU cores) a third of a request's life went to
-   exploration slots on model drafters that then ran plain, and LBSS fell 15-20% behind
-   always choosing the datastore. If every drafter is idle for a request the draw is uniform,
-   as the paper's. Idle drafters still get exploitation (the matching) and their tree-size
-   policy keeps probing, so a drafter that starts paying is found again.
+   so it teaches the bandit only the plain rate, at the plain rate (with one request in
+   flight such slots were a third of a request's life). If every drafter is idle for a
+   request the draw is uniform, as the paper's. Idle drafters still get exploitation (the
+   matching) and their tree-size policy keeps probing, so a drafter that starts paying is
+   found again.
 9. Exploration does not draw a drafter that has never paid on any request: once it has served
    `retire_after` requests (finished ones and live ones, each with its own mean goodput on
    it) and even the best of those means is below the pooled mean goodput of the drafter with
    the best pooled mean, it is left out of the draws (as idle drafters are, 8.). SPIN's
    requests live for the whole run and explore every drafter at leisure; ours come and go
-   and a short request spends a large share of its life in exploration chunks: with the
-   Qwen 1.5B target at batch 1 the 8-layer truncated draft (12 tok/s where the 0.5B draft gave
-   22-30) took 10 of a HumanEval request's 23 steps. Per-request heterogeneity is kept (the
-   datastore, best on some chat requests and worse on average, stays drawn), and a retired
-   drafter can still win a request in the exploitation matching on that request's own
-   observations. `retire_after=0` turns this off.
+   and a short request spends a large share of its life in exploration chunks, much of it on
+   a drafter that never pays. Per-request heterogeneity is kept (the datastore, best on some
+   chat requests and worse on average, stays drawn), and a retired drafter can still win a
+   request in the exploitation matching on that request's own observations. `retire_after=0`
+   turns this off.
 10. Goodput estimates are ratios of sums, accepted tokens over seconds, not means of per-slot
    ratios. SPIN's slots have one length, where the two agree; ours are steps of the request,
-   whose length follows the tree (a confidence-stopped 0.5B chain alternates ~100 ms steps
-   of 1-2 tokens with ~250 ms steps of 9): the mean of ratios priced that drafter at ~25
-   tok/s where it delivered ~30, below a datastore it beat.
+   whose length follows the tree (a confidence-stopped chain alternates short steps of few
+   tokens with long steps of many), and the mean of ratios underpriced such a drafter.
 """
 from __future__ import annotations
 

@@ -467,13 +467,11 @@ class _RequestLoop:
         """Deviation from ProPD: a confidence-stopped chain of a request alone (not a batched
         choice: with others in flight each level costs a drafting forward and a verified row of
         the batch's pass, and ProPD's size holds) is asked for the configured depth (within the
-        node budget) whenever ProPD chooses to draft. The stop is per step and per
-        node (the draft's own certainty at each level), which the request's averaged
-        acceptance profile is not: a chain cut at the ProPD size stopped at 2-4 nodes on
-        HumanEval where the 0.5B Qwen's confident chains went on to 8 with ~6 accepted, and
-        the full router fell to 1.78x plain where the fixed chain ran at 1.90x (README, runs of
-        2026-11-24). ProPD still decides whether a step drafts at all (0 = plain) and sizes
-        datastore, voted and wide trees."""
+        node budget) whenever ProPD chooses to draft. The stop is per step and per node (the
+        draft's own certainty at each level), which the request's averaged acceptance profile
+        is not; cut at the ProPD size, confident chains stopped short and the router lost to
+        the fixed chain (docs/decisions/adaptive-tree-size.md). ProPD still decides whether a
+        step drafts at all (0 = plain) and sizes datastore, voted and wide trees."""
         sizing = self.sizing(arm)
         depth = min(self.router.speculation.depth, sizing.shared.max_nodes)
         if choice.budget >= depth:

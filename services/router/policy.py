@@ -20,15 +20,13 @@ every result, regressed router-wide over passes that only decoded), D_arm(n) = t
 time for an n-node budget on this arm (reported by the drafter and the datastore), and
 R_others, D_others, E_others = rows (nodes + one root each), drafting time and expected tokens
 of the other requests' current plans (`BatchShare`). A request's tree then pays for the time
-it adds to every request's step, not only to its own. Regressing the wall time of a request's
-step on its own tree size, as alone, failed with 8 in flight: a request going plain while
-others drafted saw their drafting in its step time, "off" never looked cheaper, and every
-speculative method ran at 0.5-0.65x plain batched decoding where speculation off ran at
-1.17x (Qwen 1.5B fp32, two cores). The wall time also mixes in waits for other requests'
+it adds to every request's step, not only to its own: regressing the wall time of a request's
+step on its own tree size, as alone, made "off" never look cheaper with 8 in flight
+(docs/decisions/adaptive-tree-size.md). The wall time also mixes in waits for other requests'
 work; V and D are measured where the work is done. D_others is a sum: drafters on the
 verifier's cores (the embedded mesh) or one drafter process draft the trees one after another
-(a fleet of drafters in parallel makes this conservative). Deviation: ProPD chooses one size for the batch when the batch size changes;
-here each request chooses, knowing the others' plans.
+(a fleet of drafters in parallel makes this conservative). Deviation: ProPD chooses one size
+for the batch when the batch size changes; here each request chooses, knowing the others' plans.
 
 Deviations from ProPD, each for a reason:
 - T is the router's wall time of a step (drafting + pool + verification + result), not the
@@ -37,8 +35,8 @@ Deviations from ProPD, each for a reason:
   so T(0) is exactly the cost of plain decoding through the verifier.
 - T(n) and V(rows) are `StepTimeModel.curve`: a size's own EMA where it was measured
   recently, the recency-weighted line only for the sizes not run lately. Costs that grow in
-  steps (FBGEMM's fp16 GEMM takes rows in blocks of 6 on AVX2: 1-6 rows of the 1.5B Qwen
-  178-252 ms, 8 rows 410 ms) are misread by a line on both sides of each step.
+  steps (FBGEMM's fp16 GEMM takes rows in blocks of 6 on AVX2) are misread by a line on both
+  sides of each step.
 - The choice is recomputed every step, not only when batch size or context length change:
   the profile is per request and moves every step, and the greedy best-tree scan costs
   ~0.1 ms against steps of tens of milliseconds.
@@ -46,14 +44,12 @@ Deviations from ProPD, each for a reason:
   double the chosen one). Without it the fitted line would keep the slope of whatever two
   sizes were measured first (two points fit exactly, whatever their weights), and an "off"
   request would never learn that its text became predictable again (no tree verified, no
-  acceptance observed). An off request probes 4x less often and with a 2-node tree: a probe
-  costs what a tree costs over a plain step (on a CPU verifying rows at ~40% of a plain step
-  each, an 8-node probe every 16 steps alone would cost ~6% of plain speed), and if its
-  first two tokens are accepted the choice turns speculation back on, after which the
-  deeper levels learn again. An off request skips its probe when even a tree whose every
-  node were accepted would not beat plain decoding at the current costs: a probe can only
-  teach acceptance, and on a model arm it also costs a drafter prefill (Qwen 1.5B bf16, 8 in
-  flight: a 0.5B draft of 4 levels took 245 ms against a 340 ms pass of all eight).
+  acceptance observed). An off request probes 4x less often and with a 2-node tree (a probe
+  costs what a tree costs over a plain step); if its first two tokens are accepted the choice
+  turns speculation back on, after which the deeper levels learn again. An off request skips
+  its probe when even a tree whose every node were accepted would not beat plain decoding at
+  the current costs: a probe can only teach acceptance, and on a model arm it also costs a
+  drafter prefill (costs measured: docs/decisions/adaptive-tree-size.md).
 - Bootstrap: until a bucket has two measured sizes, the default size and then size 0 are run.
   With others in flight, until V and D are measured one request of the arm at a time drafts
   the default size and the others decode plainly (eight requests each bootstrapping a model
@@ -328,14 +324,11 @@ class RequestSizing:
         verifier's pass the tree was in; `draft_seconds`: the drafters' time for this tree;
         `switch_seconds`: of `seconds`, the wait for a drafter's prefill of this request (its
         first step on that drafter): the step-time model learns the step without it, or the
-        one step that paid for a switch would price the arm's trees at a prefill (a 0.5B
-        draft's first step on a 300-token chat: 640 ms against 270 ms for its later steps, and
-        the arm was never drafted on again).
+        one step that paid for a switch would price the arm's trees at a prefill and keep the
+        router off the arm (docs/decisions/adaptive-tree-size.md).
 
         The models skip the request's prefill step and passes that also prefilled another
-        request: their time is a prefill's, whatever the trees' sizes (with requests arriving
-        together such steps are most of what the small concurrency buckets see; they fitted
-        T(0) at several times a decoding step)."""
+        request: their time is a prefill's, whatever the trees' sizes."""
         shared = self.shared
         step_seconds = max(seconds - switch_seconds, 0.0)
         if step > 0:

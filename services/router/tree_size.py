@@ -21,13 +21,12 @@ speculation off when no tree beats E(0) / T_est(0); and `prune` cuts a drafted t
 the n nodes the probabilities value most. Deviations, each explained where made: o_i counted in
 steps rather than seconds, a negative fitted slope clamped to 0, T_est(i) = T_perf^i for the
 sizes measured recently and the line only for the others (`StepTimeModel.curve`: costs that grow
-in steps), `default_size` until two sizes have been measured, P initialised to a prior rather than 0, and the EMA's weight at depth d
-max(alpha, 1 / (prior_weight + observations at d)) (`AcceptanceProfile.fresh`): the prior
-counts as `prior_weight` observations and the first walks of a request move its profile
-faster than alpha alone would (a chat request started from a prior that code requests made
-optimistic kept drafting for ~20 steps before alpha = 0.05 brought it down). Note that with
-size 0 chosen no tree is verified, so the acceptance EMAs stop learning until the router
-drafts again.
+in steps), `default_size` until two sizes have been measured, P initialised to a prior rather
+than 0, and the EMA's weight at depth d max(alpha, 1 / (prior_weight + observations at d))
+(`AcceptanceProfile.fresh`): the prior counts as `prior_weight` observations and the first walks
+of a request move its profile faster than alpha alone would. Measured reasons:
+docs/decisions/adaptive-tree-size.md. Note that with size 0 chosen no tree is verified, so the
+acceptance EMAs stop learning until the router drafts again.
 
 Mapping to our trees (ProPD's heads are Medusa heads): depth d = a node's depth below the root
 (the last accepted token), rank k = its position among its siblings by score (highest first;
@@ -35,14 +34,15 @@ unscored: tree order). The verifier's walk reveals, at each depth it reached, wh
 any) the target drew, which is exactly the "in top-k" event of 4.2.2 conditioned on reaching
 that depth. Ranks past a node's number of children count as what the offered candidates gave
 (the top-k of c < k candidates is the top-c): a drafter that offers one candidate per level
-thus keeps p_d^2 = 0 and the best trees it is asked for stay chains. Left at their prior
-instead, those ranks kept P_d^2 high while P_d^1 fell, and a request the drafters could not
-guess still looked worth a wide tree.
+thus keeps p_d^2 = 0 and the best trees it is asked for stay chains (left at their prior, a
+request the drafters could not guess still looked worth a wide tree).
 
-Where it sits: router; `observe_step` with every verify step's tree size and time,
-`observe_tree` with every verified tree and the emitted tokens, `choose` when
-`should_recompute(batch, context)`. Plain module: no gRPC, no Redis; it does not import the
-verifier's `cost.py` (roles share no modules), but `choose` accepts any cost function.
+Where it sits: router. `policy.py` composes `StepTimeModel`, `AcceptanceProfile` and
+`best_size` per request and step; `TreeSizeSelector` is the paper's selector as one object
+(`observe_step` with every verify step's tree size and time, `observe_tree` with every verified
+tree and the emitted tokens, `choose` when `should_recompute(batch, context)`), exercised by
+tests/test_tree_size.py. Plain module: no gRPC, no Redis; it does not import the verifier's
+`cost.py` (roles share no modules), but `choose` accepts any cost function.
 """
 from __future__ import annotations
 
@@ -148,11 +148,10 @@ class StepTimeModel:
 
         Deviation from ProPD, which takes the line everywhere: the line is right where the
         cost grows by a constant per node (a GPU below saturation, ProPD's setting) and
-        wrong where it grows in steps. On an AVX2 CPU, FBGEMM's fp16-weight GEMM takes rows
-        in blocks of 6: verifying 1-6 rows of the 1.5B Qwen cost 178-252 ms, 8 rows 410 ms.
-        A line through such points prices 5 nodes above their cost and 7 below it; with the
-        measured sizes taken as measured, the choice sees the step, and a size the line
-        misprices is corrected as soon as it has been run (every chosen size is measured)."""
+        wrong where it grows in steps (FBGEMM's fp16 GEMM takes rows in blocks of 6 on AVX2:
+        docs/decisions/adaptive-tree-size.md). With the measured sizes taken as measured, the
+        choice sees the step, and a size the line misprices is corrected as soon as it has
+        been run (every chosen size is measured)."""
         line = self.fit()
         if line is None:
             return None

@@ -10,7 +10,9 @@ features of a step, with exponentially decaying weights so the curve follows loa
 
 rows = new rows in the pass (tree nodes + roots + prefill chunks), context = KV positions read
 by attention (sum over segments of prefix + new rows), segments = requests in the batch. The
-router (issue 5) sizes trees with `predict`; `specmesh`'s Info RPC and metrics export the fit.
+engine feeds it every step; the verifier's Info RPC and Prometheus metrics export the fit and
+bench.verify_cost reports it. The router sizes trees from its own step-time models
+(services/router/policy.py), fed by the pass times each result reports.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The lossless walk (DESIGN.md): sample the target at each node, descend while the sample is
-one of the node's children, emit the first sample that is not as the bonus token.
+"""The lossless walk: sample the target at each node, descend while the sample is one of the
+node's children, emit the first sample that is not as the bonus token.
 
 Every emitted token is a draw from the target's own processed distribution at its position
 (penalties, then temperature / top-k / top-p; argmax at temperature 0), so the output

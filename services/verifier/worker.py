@@ -8,14 +8,12 @@ Entries the engine defers (token or KV budget) stay in a local backlog for the n
 requests join and leave between steps and nothing is dropped. Follows the release feed to drop
 finished requests' caches.
 
-Batch forming: a step taken as soon as one tree is in the pool runs with whatever happens to be
-there. With requests whose drafting takes different times (one drafts, seven decode plainly) the
-batch splits into several small steps that each cost nearly a full one (measured, SmolLM2 fp32,
-8 concurrent: 254 steps of mostly 1-4 trees where plain decoding ran 128 steps of 3-8 trees).
-So while fewer trees are in hand than requests this verifier is serving (requests it returned a
-result to recently and that are not released), it waits up to `batch_wait_s` (default: half
-its mean step time) for theirs; the compute thread drafts for them meanwhile, so the wait is
-the pipeline's drafting time, not idle time. One request in flight never waits.
+Batch forming: while fewer trees are in hand than requests this verifier is serving (requests
+it returned a result to recently and that are not released), it waits up to `batch_wait_s`
+(default: half its mean step time) for theirs: stepping at once splits the batch into small
+steps that each cost nearly a full one (docs/decisions/verifier-batch-forming.md). The compute
+thread drafts for them meanwhile, so the wait is the pipeline's drafting time, not idle time.
+One request in flight never waits.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The intermediate result pool between routers and verifiers (Minions 3.4 / DESIGN.md "Pool").
+"""The intermediate result pool between routers and verifiers (Minions 3.4).
 
 Drafts wait for a verifier, results wait for their router, request state survives crashes.
 `RedisPool` (Redis streams + consumer groups) is the distributed one; `MemoryPool` serves the
