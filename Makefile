@@ -1,7 +1,9 @@
 # specmesh developer entry points. Everything lives in .venv (created on first use).
 #   make demo    set up, then generate through the mesh on the default model (embedded mode)
-#   make test    set up, then run the test suite (what CI runs: .ci/run)
-#   make bench   set up with the benchmark models, then run the issue-2 benchmark
+#   make test    set up, then ruff check . and the test suite (what CI runs: .ci/run)
+#   make bench   set up with the benchmark models, then run bench.run: batch-1 tok/s of plain
+#                transformers, HF assisted generation, HF prompt lookup and specmesh (embedded
+#                and as separate processes) on the same prompts
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
