@@ -188,13 +188,16 @@ def docker_ignored(path: str, patterns: list[str]) -> bool:
 def test_dockerignore_keeps_the_build_inputs_and_drops_the_rest():
     patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
                 if line.strip() and not line.lstrip().startswith("#")]
-    needed = ["pyproject.toml", "sdk/setup.py", "sdk/pyproject.toml", "sdk/specmesh/client.py",
-              "services/cli.py", "gateway/server.py", "requirements/models.txt",
+    package_dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-dir"].values()  # every folder the server distribution installs
+    needed = ["pyproject.toml", "README.md", "sdk/setup.py", "sdk/pyproject.toml",
+              "sdk/README.md", "sdk/specmesh/client.py", "requirements/models.txt",
+              *(str(p.relative_to(ROOT)) for d in package_dirs for p in (ROOT / d).rglob("*.py")),
               *(str(p.relative_to(ROOT)) for p in (ROOT / "protos").rglob("*.proto"))]
     assert [p for p in needed if docker_ignored(p, patterns)] == []
     dropped = [".venv/bin/python", ".git/HEAD", "services/__pycache__/cli.cpython-311.pyc",
                "sdk/specmesh/v1/gateway_pb2.py", "sdk/specmesh/v1/gateway_pb2_grpc.py",
-               "bench/results/run.json"]
+               "bench/results/run.json", "docs/benchmarks/README.md", "tests/test_cli.py"]
     assert [p for p in dropped if not docker_ignored(p, patterns)] == []
 
 
