@@ -2,11 +2,14 @@
 
 One forward of n new tokens over a KV cache of `--context` tokens, the shape of a verify step
 (root + n - 1 tree nodes), for each `--linear` backend and dtype: median milliseconds and the
-ratio to n = 1 (a plain decoding step). The ratio is what speculation must beat: a step of n rows
+ratio to n = 1 (a plain decoding step). `int4` (float32 only) runs every linear layer through
+torch's CPU int4 kernel for every row count, as a target would have to (its results must not
+depend on how many rows a call has). The ratio is what speculation must beat: a step of n rows
 pays off only when it emits more than ratio(n) tokens on average.
 
     python -m bench.linear                                    # Qwen2.5-Coder-1.5B, fp32 + bf16
     python -m bench.linear --model smollm2-135m --dtypes float32 --rows 1,8
+    python -m bench.linear --dtypes float32 bfloat16 --linear onednn int4
 Writes bench/results/linear-<model>.json and .md (run it alone on the machine).
 """
 from __future__ import annotations
@@ -23,7 +26,8 @@ from bench.batch import header
 from bench.run import save_report
 from specmesh_services.common import models
 from specmesh_services.common.config import Settings
-from specmesh_kernels.linear import fp16_supports, onednn_supports
+from specmesh_kernels.linear import (fp16_supports, int4_supports, onednn_supports,
+                                     quantize_linears)
 
 
 def step_ms(model, context: int, rows: list[int], reps: int) -> dict[int, float]:
@@ -58,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                         choices=["float32", "bfloat16"])
     parser.add_argument("--linear", nargs="+", default=["torch", "onednn", "fp16"],
-                        choices=["torch", "onednn", "fp16"])
+                        choices=["torch", "onednn", "fp16", "int4"])
     parser.add_argument("--rows", default="1,2,4,8,16,32", help="new tokens per forward")
     parser.add_argument("--context", type=int, default=300, help="cached tokens before the step")
     parser.add_argument("--reps", type=int, default=5)
@@ -76,7 +80,13 @@ def main(argv: list[str] | None = None) -> int:
                     None if dtype == torch.bfloat16 else "bf16 models only")):
                 print(f"{dtype_name} fp16: skipped ({reason})")
                 continue
-            model = models.load_model(path, dtype, linear=linear)
+            if linear == "int4" and (reason := int4_supports() or (
+                    None if dtype == torch.float32 else "float32 models only")):
+                print(f"{dtype_name} int4: skipped ({reason})")
+                continue
+            model = models.load_model(path, dtype, linear="torch" if linear == "int4" else linear)
+            if linear == "int4":
+                quantize_linears(model, "int4", dense_rows=None)
             print(f"{dtype_name} {linear} ...", flush=True)
             ms = step_ms(model, args.context, rows, args.reps)
             results.append({"dtype": dtype_name, "linear": linear, "ms": ms})

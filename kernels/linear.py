@@ -28,6 +28,7 @@ import math
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -380,10 +381,11 @@ QUANTIZED = {"int8": (Int8Linear, int8_supports, "FBGEMM, dynamic activations"),
              "int4": (Int4Linear, int4_supports, f"groups of {INT4_GROUP}, bf16 activations")}
 
 
-def quantize_linears(model: nn.Module, weights: str = "int8") -> int:
+def quantize_linears(model: nn.Module, weights: str = "int8", **options: Any) -> int:
     """Replaces every nn.Linear / PackedLinear of a float32 CPU model by an Int8Linear or an
     Int4Linear (`weights`; the LM head too: a tied one is quantized as a copy, the embedding
-    keeps its float matrix); returns how many were replaced. For draft models only (module
+    keeps its float matrix); returns how many were replaced. `options` go to every layer's
+    constructor (`dense_rows=None`: int4 for every call). For draft models only (module
     docstring)."""
     if weights not in QUANTIZED:
         raise ValueError(f"unknown weights '{weights}' (expected one of {tuple(QUANTIZED)})")
@@ -404,7 +406,7 @@ def quantize_linears(model: nn.Module, weights: str = "int8") -> int:
                 raise TypeError(f"{name}: {weights} needs a float32 CPU model, got "
                                 f"{module.weight.dtype} on {module.weight.device.type}")
         # every layer quantized before any is swapped: an error leaves the model as it was
-        swaps = [(name, layer(module)) for name, module in linears]
+        swaps = [(name, layer(module, **options)) for name, module in linears]
         for name, quantized in swaps:
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
@@ -421,3 +423,41 @@ def cpu_has(*flags: str) -> bool:
         return False
     words = set(text.split())
     return any(flag in words for flag in flags)
+
+
+def exact_int4(weight: torch.Tensor, group_size: int = INT4_GROUP) -> bool:
+    """Whether every group of `group_size` inputs of `weight` [out, in] holds exactly 16 evenly
+    spaced levels spanning its range, w = q * scale + low with q in 0..15: what a GGUF Q4_0 /
+    Q4_1 block dequantizes to. Such a layer is served by Int4Linear with its codes unchanged."""
+    if weight.dim() != 2 or weight.shape[1] % group_size:
+        return False
+    for rows in weight.detach().float().split(256):  # stops at the first block of rows that fails
+        groups = rows.reshape(rows.shape[0], -1, group_size)
+        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+        scale = ((high - low) / 15).clamp(min=1e-30)
+        codes = ((groups - low) / scale).round()
+        # a wrong code is off by >= half a level; float32 rounding by ~1e-6 of one
+        if not bool((((codes * scale + low) - groups).abs() <= 1e-3 * scale).all()):
+            return False
+    return True
+
+
+def native_int4(model: nn.Module) -> tuple[int, int]:
+    """Serves a float32 CPU model's linear layers in the 4-bit form they were stored in: every
+    nn.Linear whose weights are `exact_int4` becomes an Int4Linear that runs every call through
+    the int4 kernel (row-count independent results, as a target needs); the others keep their
+    float32 weights. Returns (int4 layers, float layers)."""
+    reason = int4_supports()
+    if reason is not None:
+        raise RuntimeError(f"native int4 weights cannot run here: {reason}")
+    linears = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
+    exact = [(name, m) for name, m in linears
+             if m.weight.dtype == torch.float32 and exact_int4(m.weight)]
+    with torch.inference_mode(False), torch.no_grad():
+        for name, module in exact:
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, Int4Linear(module, dense_rows=None))
+    log.info("native weights: %d linear layers int4 (exact 4-bit groups of %d), %d float32",
+             len(exact), INT4_GROUP, len(linears) - len(exact))
+    return len(exact), len(linears) - len(exact)

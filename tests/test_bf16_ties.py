@@ -1,4 +1,6 @@
-"""bfloat16: where the verifier's output leaves the target's own bf16 greedy output, it is a tie.
+"""bf16 rounding: where the verifier's output leaves the served target's own greedy output, it is
+a tie. Two targets round activations to bfloat16: the bf16 model, and native int4 weights
+(`target_weights=native`: the int4 kernel multiplies bf16 activations).
 
 A speculative step computes a token's logits in a multi-row pass, `generate` in a one-row pass;
 in bf16 the two round differently, so when the target's top two logits are within rounding of
@@ -24,6 +26,7 @@ from specmesh_services.common.lm import CausalLM
 from specmesh_services.common.sampling import SamplingParams
 from specmesh_services.common.tree import TokenTree
 from specmesh_services.verifier.engine import EngineLimits, VerifierEngine
+from specmesh_kernels.linear import int4_supports
 from specmesh.v1 import pool_pb2
 
 PROMPTS = 10
@@ -35,12 +38,17 @@ def bf16_ulp(x: float) -> float:
     return 2.0 ** (math.floor(math.log2(max(abs(x), 1e-30))) - 7)
 
 
-@pytest.fixture(scope="module")
-def bf16_lm(target_path):
+@pytest.fixture(scope="module", params=["bf16", "native"])
+def served_lm(request, target_path):
+    if request.param == "native" and int4_supports() is not None:
+        pytest.skip(f"no int4 kernel: {int4_supports()}")
+    if request.param == "native":
+        return CausalLM(models.load_model(target_path, torch.float32, weights="native"), "int4")
     return CausalLM(models.load_model(target_path, torch.bfloat16), "bf16")
 
 
-def test_bf16_divergences_are_ties(bf16_lm, tokenizer, chat_prompt_ids, compute):
+def test_bf16_divergences_are_ties(served_lm, tokenizer, chat_prompt_ids, compute):
+    bf16_lm = served_lm
     engine = VerifierEngine(bf16_lm, limits=EngineLimits(kv_budget_tokens=4096))
 
     def one(i: int):
@@ -78,4 +86,5 @@ def test_bf16_divergences_are_ties(bf16_lm, tokenizer, chat_prompt_ids, compute)
         assert margin <= tol and ours <= tol, (
             f"prompt {i} diverges at token {d} where the target is not tied: top-2 margin "
             f"{margin}, our token {ours} below the top, bf16 rounding {tol}")
-    print(f"bf16: {PROMPTS - divergences}/{PROMPTS} identical, every divergence at a tie")
+    print(f"{bf16_lm.name}: {PROMPTS - divergences}/{PROMPTS} identical, every divergence at a "
+          f"tie")

@@ -151,6 +151,13 @@ class Settings(BaseSettings):
                             "(cost nearly flat in the rows of a verify step); fp16 = bf16 weights "
                             "stored as float16 for FBGEMM (CPUs without bf16 arithmetic); auto = "
                             "onednn where the CPU runs the dtype, else fp16 for bf16, else torch")
+    target_weights: Literal["auto", "float", "native"] = Field(
+        "auto", description="the target's weights as served: float = the converted weights in "
+                            "`dtype`; native = the layers the GGUF stores as 4-bit blocks keep "
+                            "their codes and run through torch's CPU int4 kernel, the rest in "
+                            "float32; auto = native where dtype is auto and most linear weights "
+                            "are 4-bit (SmolLM2), else float. Lossless relative to the weights "
+                            "as served")
     drafters: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="draft models: 'layers:N' (first N layers of the target) or a model name/dir, "

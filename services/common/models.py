@@ -13,6 +13,7 @@ imports llm and llama-cpp-python).
 from __future__ import annotations
 
 import fcntl
+import functools
 import importlib.util
 import json
 import logging
@@ -222,12 +223,18 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 def load_model(path: Path, dtype: torch.dtype, num_layers: int | None = None,
-               linear: str = "auto"):
+               linear: str = "auto", weights: str = "float"):
     """Loads a causal LM for inference; `num_layers` keeps only its first layers (plus the final
     norm and LM head): the layer-truncated draft of a target. `linear` picks the kernels of its
     linear layers (kernels/linear.py: "auto" packs them for oneDNN where the CPU runs the dtype,
-    "torch" keeps transformers' own)."""
-    from specmesh_kernels.linear import pack_linears
+    "torch" keeps transformers' own). `weights="native"` (float32 only) serves the layers the
+    GGUF stored as 4-bit blocks through the int4 kernel, codes unchanged (`native_int4`)."""
+    from specmesh_kernels.linear import native_int4, pack_linears
+
+    if weights not in ("float", "native"):
+        raise ValueError(f"unknown weights '{weights}' (expected float or native)")
+    if weights == "native" and dtype != torch.float32:
+        raise ValueError(f"native weights run with float32 activations, not {dtype}")
 
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -250,6 +257,8 @@ def load_model(path: Path, dtype: torch.dtype, num_layers: int | None = None,
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
     model.eval()
+    if weights == "native":
+        native_int4(model)
     pack_linears(model, linear)
     return model
 
@@ -285,3 +294,23 @@ def eos_token_ids(path: Path, tokenizer) -> list[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return sorted(ids)
+
+
+@functools.cache
+def int4_share(path: Path) -> float:
+    """Share of a model directory's linear-layer weights (2-D, LM head included) that are exact
+    4-bit groups (`exact_int4`): the part a native target would run through the int4 kernel.
+    Read tensor by tensor from its safetensors files, so nothing is loaded twice into memory."""
+    from safetensors import safe_open
+    from specmesh_kernels.linear import exact_int4
+
+    exact = total = 0
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as tensors:
+            for key in tensors.keys():
+                if not key.endswith("proj.weight") and key != "lm_head.weight":
+                    continue
+                weight = tensors.get_tensor(key)
+                total += weight.numel()
+                exact += weight.numel() if exact_int4(weight) else 0
+    return exact / total if total else 0.0

@@ -4,11 +4,14 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import torch
+
 from specmesh_services.common import models, pool as pool_mod, serving
 from specmesh_services.common.config import Settings
 from specmesh_services.common.lm import CausalLM
 from specmesh_services.common.rpc import start_server
 from specmesh_kernels.backend import select_attention_backend
+from specmesh_kernels.linear import int4_supports
 from specmesh_services.verifier.engine import EngineLimits, VerifierEngine
 from specmesh_services.verifier.servicer import SERVICE_NAME, VerifierServicer
 from specmesh_services.verifier.worker import VerifierWorker, default_name
@@ -17,11 +20,31 @@ from specmesh.v1 import verifier_pb2_grpc
 log = logging.getLogger(__name__)
 
 
+# auto serves native weights when at least this share of the linear weights is 4-bit
+NATIVE_MIN_SHARE = 0.5
+
+
+def served_weights(settings: Settings, path) -> str:
+    """`target_weights`, with auto resolved: native where the dtype is left to auto, the int4
+    kernel runs and most linear weights are exact 4-bit groups (docs/decisions/target-weights.md),
+    else the converted float weights."""
+    if settings.target_weights != "auto":
+        return settings.target_weights
+    if settings.dtype != "auto" or int4_supports() is not None:
+        return "float"
+    return "native" if models.int4_share(path) >= NATIVE_MIN_SHARE else "float"
+
+
 def load_target(settings: Settings) -> CausalLM:
-    dtype = models.resolve_dtype(settings.dtype)
+    """The target as served: its converted weights in `dtype`, or its native 4-bit layers with
+    float32 activations (`target_weights`); the output is lossless relative to these weights."""
     path = models.resolve(settings.model, settings.cache_dir)
-    lm = CausalLM(models.load_model(path, dtype, linear=settings.linear), settings.model)
-    log.info("target %s: %d layers, %s", settings.model, lm.num_layers, dtype)
+    weights = served_weights(settings, path)
+    dtype = torch.float32 if weights == "native" else models.resolve_dtype(settings.dtype)
+    model = models.load_model(path, dtype, linear=settings.linear, weights=weights)
+    lm = CausalLM(model, settings.model)
+    log.info("target %s: %d layers, %s, %s weights", settings.model, lm.num_layers, dtype,
+             weights)
     return lm
 
 
