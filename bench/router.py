@@ -54,6 +54,7 @@ from bench.run import (RESULTS, Config, MethodResult, Prompt, _record, load_prom
 from specmesh_services.common import models
 from specmesh_services.common.config import Settings
 from specmesh_services.common.serving import compute_executor
+from specmesh_services.verifier.server import served_weights
 
 DRAFTS = {"smollm2-135m": ("layers:8", "layers:20"),
           "qwen2.5-coder-1.5b": ("qwen2.5-coder-0.5b@auto", "layers:8")}
@@ -161,8 +162,8 @@ def run(config: Config, drafts: tuple[str, str], levels: list[int], nodes: int,
     speedup is against the mean of the plain runs just before and after it: a shared machine's
     speed drifts within a run, and a baseline timed once at its start mismeasures the methods
     at its end (docs/decisions/benchmark-method.md)."""
-    settings = Settings(model=config.model, dtype=config.dtype,
-                        draft_vocab=draft_vocab).with_overrides(**{
+    settings = Settings(model=config.model, dtype=config.dtype, draft_vocab=draft_vocab,
+                        target_weights=config.target_weights).with_overrides(**{
         "speculation.depth": config.depth, "speculation.width": config.width,
         "speculation.min_probability": min_probability})
     tokenizer = models.load_tokenizer(models.resolve(config.model, settings.cache_dir))
@@ -207,7 +208,8 @@ def run(config: Config, drafts: tuple[str, str], levels: list[int], nodes: int,
 
 def markdown(report: dict) -> str:
     c = report["config"]
-    lines = [f"### {c['model']} target, {c['dtype']}, drafts {', '.join(report['drafts'])} + "
+    weights = ", native int4 weights" if c.get("target_weights") == "native" else ""
+    lines = [f"### {c['model']} target, {c['dtype']}{weights}, drafts {', '.join(report['drafts'])} + "
              f"the datastore, depth {c['depth']} (stop below p "
              f"{report.get('min_probability', 0)}), {report['nodes']} nodes, "
              f"{len(report['prompts'])} prompts x {c['max_tokens']} tokens"
@@ -272,6 +274,10 @@ def main(argv: list[str] | None = None) -> int:
                              "every specmesh method (each method's speedup is against the mean "
                              "of the plain runs just before and after it: this machine's speed "
                              "drifts over a long run)")
+    parser.add_argument("--target-weights", default="auto", choices=["auto", "float", "native"],
+                        help="the mesh's target weights; auto = what `specmesh up` serves with "
+                             "this --dtype (native for SmolLM2 with --dtype auto). The plain "
+                             "baselines are transformers on the converted float weights")
     parser.add_argument("--quick", action="store_true", help="4 prompts x 32 tokens")
     parser.add_argument("--tag", default="", help="suffix of the result files (runs in slices "
                         "of --methods / --concurrency do not overwrite each other)")
@@ -279,12 +285,18 @@ def main(argv: list[str] | None = None) -> int:
     dtype = str(models.resolve_dtype(args.dtype)).removeprefix("torch.")
     drafts = tuple(args.drafts) if args.drafts else DRAFTS.get(args.model, ("layers:8",
                                                                             "layers:16"))
+    compute = compute_executor()
+    # on the compute thread: the int4 probe is a torch op, and a second thread's OpenMP team
+    # halves the speed of every later one (services/embedded.py)
+    weights = compute.submit(served_weights, Settings(model=args.model, dtype=args.dtype,
+                                                      target_weights=args.target_weights),
+                             models.resolve(args.model, Settings().cache_dir)).result()
     config = Config(args.model, drafts[0], dtype, args.depth, 1, mtbench=args.mtbench,
-                    humaneval=args.humaneval, max_tokens=args.max_tokens)
+                    humaneval=args.humaneval, max_tokens=args.max_tokens, target_weights=weights)
     if args.quick:
         config = replace(config, mtbench=3, humaneval=1, max_tokens=32)
-    compute = compute_executor()
-    name = (f"router-{args.model}-{dtype}" + ("-quick" if args.quick else "")
+    name = (f"router-{args.model}-{dtype}" + ("-native" if weights == "native" else "")
+            + ("-quick" if args.quick else "")
             + (f"-{args.tag}" if args.tag else ""))
     head = {"machine": platform.processor() or platform.machine(),
             "date": time.strftime("%Y-%m-%d")}

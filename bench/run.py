@@ -49,6 +49,7 @@ class Config:
     mtbench: int = 8  # questions, one per category first (every 10th)
     humaneval: int = 2
     max_tokens: int = 128
+    target_weights: str = "float"  # the mesh's target (Settings.target_weights); plain stays float
 
     @property
     def name(self) -> str:
