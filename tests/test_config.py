@@ -159,6 +159,15 @@ def test_a_variable_typo_fails_the_installed_command_without_a_traceback(tmp_pat
         "SPECMESH_VERIFIER__BATCH_SIZE?"]
 
 
+def config_error(tmp_path, text: str) -> tuple[object, str]:
+    """The SettingsError message of loading `text` as a --config file (and the file's path)."""
+    path = tmp_path / "specmesh.yaml"
+    path.write_text(text)
+    with pytest.raises(SettingsError) as err:
+        load_settings(config_file=path)
+    return path, str(err.value)
+
+
 @pytest.mark.parametrize("text, message", [
     ("speculation:\n  depht: 3\n", "unknown setting speculation.depht: did you mean "
                                    "speculation.depth?"),
@@ -167,11 +176,8 @@ def test_a_variable_typo_fails_the_installed_command_without_a_traceback(tmp_pat
     ("depth: 3\n", "unknown setting depth: did you mean speculation.depth?"),
 ])
 def test_a_mistyped_config_key_names_the_nearest(tmp_path, text, message):
-    path = tmp_path / "specmesh.yaml"
-    path.write_text(text)
-    with pytest.raises(SettingsError) as err:
-        load_settings(config_file=path)
-    assert str(err.value) == f"{path}: {message}"
+    path, error = config_error(tmp_path, text)
+    assert error == f"{path}: {message}"
 
 
 @pytest.mark.parametrize("text, message", [
@@ -180,11 +186,8 @@ def test_a_mistyped_config_key_names_the_nearest(tmp_path, text, message):
     ("speculation:\n  depth: deep\n", "invalid setting speculation.depth"),
 ])
 def test_a_bad_config_file_is_one_line(tmp_path, text, message):
-    path = tmp_path / "specmesh.yaml"
-    path.write_text(text)
-    with pytest.raises(SettingsError, match=message) as err:
-        load_settings(config_file=path)
-    assert "\n" not in str(err.value)
+    _, error = config_error(tmp_path, text)
+    assert message in error and "\n" not in error
     with pytest.raises(SettingsError, match="cannot read config file"):
         load_settings(config_file=tmp_path / "missing.yaml")
 
