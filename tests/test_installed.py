@@ -44,6 +44,20 @@ def test_main_command_through_the_console_script_outside_the_checkout(tmp_path):
     assert out.stdout.strip(), "the main command printed no generation"
 
 
+IMPORT_ALL = """
+import importlib, pkgutil, sys
+for top in sys.argv[1:]:
+    for info in pkgutil.walk_packages(importlib.import_module(top).__path__, top + "."):
+        importlib.import_module(info.name)
+"""
+
+
+def test_every_installed_module_imports_outside_the_checkout(tmp_path):
+    """Every module of the installed import names, not only those `run` and `--help` reach."""
+    names = ["specmesh", "specmesh_services", "specmesh_kernels", "specmesh_gateway"]
+    _run([sys.executable, "-P", "-c", IMPORT_ALL, *names], cwd=tmp_path)
+
+
 def test_non_editable_install_into_a_fresh_venv(tmp_path):
     """`pip install ./sdk .` into a new venv: --help, run, and serve ROLE --help all work."""
     venv = tmp_path / "venv"
