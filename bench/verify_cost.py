@@ -10,10 +10,13 @@ timed step feeds a VerifyCostModel (services/verifier/cost.py, uniform weights h
 seconds ~ b0 + b_rows * rows + b_context * context + b_segments * segments is printed with its
 error, plus the SSSD-style cost relative to n = 0 (verifying only the root).
 
-    python -m bench.verify_cost                                  # both models, bf16 (~15 min)
+    python -m bench.verify_cost                                  # both models, as served
     python -m bench.verify_cost --models smollm2-135m --quick    # smoke run, < 3 min
     python -m bench.verify_cost --tree chain --lengths 256,2048 --batches 1,2,4,8,16
-Writes bench/results/verify-cost-<model>-<dtype>.json and .md (run it alone on the machine).
+    python -m bench.verify_cost --runners lean,transformers      # the two target forwards
+The target is loaded as `specmesh up` serves it (`--dtype`, `--target-weights`, and the
+forward of each of `--runners`). Writes bench/results/verify-cost-<model>-<weights>-<runner>
+.json and .md (run it alone on the machine).
 """
 from __future__ import annotations
 
@@ -38,18 +41,18 @@ QUICK = {"lengths": "128,512", "batches": "1,8", "nodes": "0,3,15,63", "reps": 3
 WARMUP = 1  # untimed steps per cell (new shapes)
 
 
-def build(model: str, dtype: str, batch: int, length: int, nodes: int):
+def build(settings: Settings, batch: int, length: int, nodes: int):
     """The target and an engine sized for `batch` requests of `length` + a tree of `nodes`."""
     from specmesh_services.verifier.server import build_engine, load_target
 
     rows = batch * (length + nodes + 1)
-    settings = Settings(model=model, dtype=dtype).with_overrides(**{
+    settings = settings.with_overrides(**{
         "verifier.batch_size": batch,
         "verifier.max_batch_tokens": max(1024, batch * (nodes + 1)),
         "verifier.kv_budget_tokens": max(16384, rows + batch * 64)})
     lm = load_target(settings)
     if length + nodes + 1 > lm.context_length:
-        raise SystemExit(f"{model}: context {lm.context_length} < {length} + {nodes} + 1")
+        raise SystemExit(f"{settings.model}: context {lm.context_length} < {length} + {nodes} + 1")
     return lm, build_engine(lm, settings, "bench-verify-cost")
 
 
@@ -124,7 +127,7 @@ def markdown(report: dict) -> str:
         + " |" for n in nodes]
     f = report["fit"]
     return "\n".join([
-        f"### {report['model']}, {report['dtype']}: verifier step cost, {report['tree']} trees "
+        f"### {report['model']}, {report['weights']}, {report['runner']} forward: verifier step cost, {report['tree']} trees "
         f"of n nodes per request, median of {report['reps']} steps", "",
         "ms per step (b requests, context L, one tree of n nodes each):", "", head, rule, *ms, "",
         f"Relative cost vs n={base} (SSSD figure 3 style):", "", head, rule, *rel, "",
@@ -135,22 +138,31 @@ def markdown(report: dict) -> str:
         ""])
 
 
-def run(model: str, dtype: str, args) -> dict:
+def run(settings: Settings, args) -> dict:
+    from specmesh_services.common import models
+    from specmesh_services.common.lean import LeanDecoder
+    from specmesh_services.verifier.server import served_weights
+
     lengths, batches, nodes = (sorted(int(x) for x in v.split(",") if x)
                                for v in (args.lengths, args.batches, args.nodes))
-    lm, engine = build(model, dtype, max(batches), max(lengths), max(nodes))
+    lm, engine = build(settings, max(batches), max(lengths), max(nodes))
+    weights = served_weights(settings, models.resolve(settings.model, settings.cache_dir))
     cells = measure(engine, lm.vocab_size, lengths, batches, nodes, args.reps, args.tree)
     coefficients, error = fit(cells)
-    return {"model": model, "dtype": dtype, "tree": args.tree, "reps": args.reps,
-            "attention": engine.backend.name, "cells": cells, "fit": coefficients,
-            "fit_error": error}
+    return {"model": settings.model, "dtype": str(lm.dtype).removeprefix("torch."),
+            "weights": weights, "runner": "lean" if isinstance(lm, LeanDecoder) else "transformers",
+            "tree": args.tree, "reps": args.reps, "attention": engine.backend.name,
+            "cells": cells, "fit": coefficients, "fit_error": error}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(MODELS), help=f"[{','.join(MODELS)}]")
-    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
+    parser.add_argument("--target-weights", choices=("auto", "float", "native"), default="auto")
+    parser.add_argument("--runners", default="auto",
+                        help="target forwards, comma-separated: auto, lean, transformers [auto]")
     parser.add_argument("--tree", choices=("random", "chain"), default="random",
                         help="tree shape: random recursive trees or chains [random]")
     parser.add_argument("--lengths", help=f"context lengths L [{FULL['lengths']}]")
@@ -164,11 +176,14 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, key, value)
     RESULTS.mkdir(parents=True, exist_ok=True)
     compute = compute_executor()  # all torch work on one thread (one OpenMP team)
-    for model in (m for m in args.models.split(",") if m):
-        report = compute.submit(run, model, args.dtype, args).result()
+    for model, runner in ((m, r) for m in args.models.split(",") if m
+                          for r in args.runners.split(",") if r):
+        settings = Settings(model=model, dtype=args.dtype, target_weights=args.target_weights,
+                            target_runner=runner)
+        report = compute.submit(run, settings, args).result()
         text = markdown(report)
         print(text, flush=True)
-        name = f"verify-cost-{model}-{args.dtype}"
+        name = f"verify-cost-{model}-{report['weights']}-{report['runner']}"
         (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=1))
         (RESULTS / f"{name}.md").write_text(header("verify cost", args.quick) + "\n" + text)
         print(f"written: {RESULTS / name}.json, .md")

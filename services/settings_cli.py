@@ -35,7 +35,7 @@ GROUPS: dict[str, tuple[str, tuple[Flag, ...]]] = {
     "pool": ("pool", (Flag("redis_url", metavar="URL"),)),
     "model": ("model and speculation", (
         Flag("model"), Flag("dtype"), Flag("target_weights"), Flag("linear"),
-        Flag("draft_runner"),
+        Flag("target_runner"), Flag("draft_runner"),
         Flag("drafters", "--draft", "SPEC"), Flag("draft_vocab", metavar="N"),
         Flag("speculation.depth", metavar="N"), Flag("speculation.width", metavar="N"),
         Flag("speculation.min_probability", metavar="P"),

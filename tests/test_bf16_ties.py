@@ -26,6 +26,7 @@ from specmesh_services.common.lm import CausalLM
 from specmesh_services.common.sampling import SamplingParams
 from specmesh_services.common.tree import TokenTree
 from specmesh_services.verifier.engine import EngineLimits, VerifierEngine
+from specmesh_services.verifier.server import load_target
 from specmesh_kernels.linear import int4_supports
 from specmesh.v1 import pool_pb2
 
@@ -38,18 +39,27 @@ def bf16_ulp(x: float) -> float:
     return 2.0 ** (math.floor(math.log2(max(abs(x), 1e-30))) - 7)
 
 
-@pytest.fixture(scope="module", params=["bf16", "native"])
-def served_lm(request, target_path):
-    if request.param == "native" and int4_supports() is not None:
+@pytest.fixture(scope="module", params=["bf16", "native", "native-lean"])
+def served_lm(request, target_path, base_settings):
+    """(the reference transformers model, the verifier's target): the same weights; the lean
+    decoder (`target_runner=lean`) fuses products, so it rounds differently again."""
+    if request.param.startswith("native") and int4_supports() is not None:
         pytest.skip(f"no int4 kernel: {int4_supports()}")
+    if request.param == "native-lean":
+        native = base_settings.with_overrides(target_weights="native", target_runner="lean")
+        reference = CausalLM(models.load_model(target_path, torch.float32, weights="native"),
+                             "int4")
+        return reference, load_target(native)
     if request.param == "native":
-        return CausalLM(models.load_model(target_path, torch.float32, weights="native"), "int4")
-    return CausalLM(models.load_model(target_path, torch.bfloat16), "bf16")
+        lm = CausalLM(models.load_model(target_path, torch.float32, weights="native"), "int4")
+    else:
+        lm = CausalLM(models.load_model(target_path, torch.bfloat16), "bf16")
+    return lm, lm
 
 
 def test_bf16_divergences_are_ties(served_lm, tokenizer, chat_prompt_ids, compute):
-    bf16_lm = served_lm
-    engine = VerifierEngine(bf16_lm, limits=EngineLimits(kv_budget_tokens=4096))
+    bf16_lm, target = served_lm
+    engine = VerifierEngine(target, limits=EngineLimits(kv_budget_tokens=4096))
 
     def one(i: int):
         prompt = chat_prompt_ids(i)

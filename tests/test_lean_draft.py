@@ -133,7 +133,7 @@ def test_architectures_lean_drafts_do_not_cover_are_refused():
                                           "rope_theta": 10000.0})
     assert "RoPE type linear" in supports(Stub(scaled))
     assert "sliding-window" in supports(Stub(Qwen2Config(use_sliding_window=True)))
-    with pytest.raises(ValueError, match="lean drafts do not cover this model"):
+    with pytest.raises(ValueError, match="the lean forward does not cover this model"):
         LeanLM(Stub(scaled), "x")
 
 

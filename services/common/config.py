@@ -171,6 +171,12 @@ class Settings(BaseSettings):
                             "Qwen2 drafts (fused products, preallocated KV rows, logits over the "
                             "draft vocabulary only: services/drafter/lean.py); transformers = the "
                             "model's own forward; auto = lean where the architecture allows")
+    target_runner: Literal["auto", "lean", "transformers"] = Field(
+        "auto", description="the target's forward: lean = specmesh's decoder loop for Llama / "
+                            "Qwen2 targets over the paged KV store (fused products, no "
+                            "transformers modules: services/common/lean.py); transformers = the "
+                            "model's own forward with specmesh's attention function; auto = "
+                            "lean where the architecture allows")
     speculation: SpeculationSettings = Field(default_factory=SpeculationSettings)
     cache_dir: Path = Field(Path.home() / ".cache" / "specmesh", description="converted weights")
     run_dir: Path | None = Field(None, description="state and logs of `specmesh up` "

@@ -229,8 +229,6 @@ def load_model(path: Path, dtype: torch.dtype, num_layers: int | None = None,
     linear layers (kernels/linear.py: "auto" packs them for oneDNN where the CPU runs the dtype,
     "torch" keeps transformers' own). `weights="native"` (float32 only) serves the layers the
     GGUF stored as 4-bit blocks through the int4 kernel, codes unchanged (`native_int4`)."""
-    from specmesh_kernels.linear import native_int4, pack_linears
-
     if weights not in ("float", "native"):
         raise ValueError(f"unknown weights '{weights}' (expected float or native)")
     if weights == "native" and dtype != torch.float32:
@@ -257,10 +255,19 @@ def load_model(path: Path, dtype: torch.dtype, num_layers: int | None = None,
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
     model.eval()
-    if weights == "native":
-        native_int4(model)
-    pack_linears(model, linear)
+    convert_linears(model, linear, weights)
     return model
+
+
+def convert_linears(module, linear: str = "auto", weights: str = "float") -> None:
+    """A loaded model's (or a lean decoder's fused) torch linears converted to the kernels they
+    are served with: the native 4-bit layers to int4 (`weights="native"`), then the rest packed
+    for `linear` (kernels/linear.py)."""
+    from specmesh_kernels.linear import native_int4, pack_linears
+
+    if weights == "native":
+        native_int4(module)
+    pack_linears(module, linear)
 
 
 def context_length(config) -> int:

@@ -1,27 +1,14 @@
-"""A lean decoder loop for draft models: the drafting forward without transformers' per-layer
-machinery.
+"""The drafter's lean forward: the shared decoder loop (common/lean.py) over per-request KV
+buffers, implementing the part of `CausalLM` a `DraftModel` uses (`new_cache`, `prefill`,
+`forward_many`) with the same semantics (rows appended per request, per-part visibility masks,
+`logits_from`), logits over the draft vocabulary only (`token_ids` maps a logit's column to its
+token id; None: the whole vocabulary).
 
-Why: a draft's forward at batch 1 is a few rows through every layer, so its time is the weights'
-bytes plus a fixed cost per operation, and transformers' modules spend about half of a drafting
-level outside the matrix products (docs/decisions/lean-draft-forward.md).
-
-`LeanLM` runs the same computation with:
-- q/k/v and gate/up fused into one product each (4 quantized products per layer instead of 7:
-  the same weights, fewer and larger kernel calls),
-- rotary embeddings applied to q and k together, once per layer,
-- keys and values written into preallocated per-request buffers (`LeanKV`, grown by doubling;
-  rollback is an index copy inside the buffer),
-- logits over the draft vocabulary only, with `token_ids` mapping a logit's column to its token
-  id (`DraftModel` maps them; None: the whole vocabulary).
-
-It implements the part of `CausalLM` a `DraftModel` uses (`new_cache`, `prefill`, `forward_many`)
-with the same semantics (rows appended per request, per-part visibility masks, `logits_from`),
-for the architectures whose decoder layer it reproduces: Llama and Qwen2 (RMSNorm, default RoPE,
-SiLU-gated MLP, grouped-query attention, q/k/v biases where the model has them), no sliding
-window. A draft only has to guess: its numbers may differ from transformers' by float rounding
-(fused products, `F.rms_norm`), which `tests/test_lean_draft.py` bounds. The target never runs
-here. Where the architecture is not covered `supports` says why and the drafter keeps
-transformers' forward (`Settings.draft_runner`).
+Keys and values live in preallocated per-request buffers (`LeanKV`, grown by doubling; rollback
+is an index copy inside the buffer). A draft only has to guess: its numbers may differ from
+transformers' by float rounding, which `tests/test_lean_draft.py` bounds. Where the architecture
+is not covered `supports` says why and the drafter keeps transformers' forward
+(`Settings.draft_runner`).
 """
 from __future__ import annotations
 
@@ -29,29 +16,11 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from specmesh_services.common.lean import LeanDecoder, supports
 from specmesh_services.common.lm import Part, part_layout, split_logits
-from specmesh_services.common.models import context_length
 
-ARCHITECTURES = ("llama", "qwen2")
-
-
-def supports(model) -> str | None:
-    """None when `LeanLM` reproduces this transformers causal LM's decoder, else the reason."""
-    config = model.config
-    if config.model_type not in ARCHITECTURES:
-        return f"architecture {config.model_type} (lean drafts cover {', '.join(ARCHITECTURES)})"
-    rope = getattr(config, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") != "default":
-        return f"RoPE type {rope.get('rope_type')}"
-    if getattr(config, "use_sliding_window", False):
-        return "sliding-window attention"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"activation {config.hidden_act}"
-    if getattr(config, "mlp_bias", False):
-        return "MLP biases"
-    return None
+__all__ = ["LeanKV", "LeanLM", "supports"]
 
 
 class LeanKV:
@@ -102,86 +71,13 @@ class LeanKV:
                 for i in range(self.keys.shape[0])]
 
 
-def _fuse(linears: Sequence[nn.Linear]) -> nn.Linear:
-    """One float nn.Linear computing `linears` side by side (their outputs concatenated)."""
-    weight = torch.cat([m.weight.detach() for m in linears])
-    fused = nn.utils.skip_init(nn.Linear, weight.shape[1], weight.shape[0],
-                               bias=any(m.bias is not None for m in linears), dtype=weight.dtype)
-    fused.weight.data = weight
-    if fused.bias is not None:
-        fused.bias.data = torch.cat([m.bias.detach() if m.bias is not None
-                                     else weight.new_zeros(m.out_features) for m in linears])
-    return fused
-
-
-class LeanLM:
-    """A draft model's decoder as a plain loop over its layers (module docstring).
-
-    Built from a transformers Llama / Qwen2 causal LM with torch's own linears (its head may be a
-    `SubsetHead`); `prepare` converts the fused linears the way the drafter would have converted
-    the model's (`quantize_linears` / `pack_linears`). The transformers model is not kept."""
-
-    def __init__(self, model, name: str, prepare=None) -> None:
-        reason = supports(model)
-        if reason is not None:
-            raise ValueError(f"lean drafts do not cover this model: {reason}")
-        config = model.config
-        self.name = name
-        self.config = config
-        self.vocab_size: int = config.vocab_size
-        self.num_layers: int = config.num_hidden_layers
-        self.context_length: int = context_length(config)
-        base = model.model
-        self.dtype: torch.dtype = base.embed_tokens.weight.dtype
-        self.device = base.embed_tokens.weight.device
-        self.heads = config.num_attention_heads
-        self.kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
-        self.eps = config.rms_norm_eps
-        self.scale = self.head_dim ** -0.5
-        self.embed = base.embed_tokens.weight.detach()
-        rotary = base.rotary_emb
-        self.inv_freq = rotary.inv_freq.detach().float()
-        self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
-        linears = nn.ModuleDict()
-        self.norms: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for i, layer in enumerate(base.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            linears[f"{i}_qkv"] = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-            linears[f"{i}_o"] = attn.o_proj
-            linears[f"{i}_gate_up"] = _fuse([mlp.gate_proj, mlp.up_proj])
-            linears[f"{i}_down"] = mlp.down_proj
-            self.norms.append((layer.input_layernorm.weight.detach(),
-                               layer.post_attention_layernorm.weight.detach()))
-        self.final_norm = base.norm.weight.detach()
-        head = model.get_output_embeddings()
-        self.token_ids: torch.Tensor | None = None  # column -> token id (None: identity)
-        if hasattr(head, "keep") and hasattr(head, "proj"):  # a SubsetHead (vocab.py)
-            self.token_ids = head.keep.clone()
-            head = head.proj
-        linears["head"] = head
-        if prepare is not None:
-            prepare(linears)
-        self.linears = linears
-        self.layers = [(linears[f"{i}_qkv"].forward, linears[f"{i}_o"].forward,
-                        linears[f"{i}_gate_up"].forward, linears[f"{i}_down"].forward)
-                       for i in range(self.num_layers)]
-        self.head = linears["head"].forward
+class LeanLM(LeanDecoder):
+    """A draft model's decoder loop over `LeanKV` buffers (module docstring). `prepare` converts
+    the fused linears the way the drafter would have converted the model's
+    (`quantize_linears` / `pack_linears`)."""
 
     def new_cache(self) -> LeanKV:
         return LeanKV(self.num_layers, self.kv_heads, self.head_dim, self.dtype)
-
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
-        # transformers normalizes in float32 and scales in the model's dtype
-        return weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
-
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos() * self.rope_scale, emb.sin() * self.rope_scale
-        return cos.to(self.dtype)[:, None], sin.to(self.dtype)[:, None]  # [T, 1, D]
 
     def forward(self, cache: LeanKV, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 visible: torch.Tensor | None = None, last: int = 0) -> torch.Tensor:
@@ -212,39 +108,26 @@ class LeanLM:
             positions.append(pos)
             keep.append(torch.arange(at + p.logits_from, at + n))
             at += n
-        x = self.embed[torch.cat(tokens)]  # [T, hidden]
-        cos, sin = self._rope(torch.cat(positions))
-        heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
-        qk_width, half = (heads + kv_heads) * d, d // 2
-        gqa = heads != kv_heads
-        out = x.new_empty(at, heads, d)
-        for i, (qkv_proj, o_proj, gate_up_proj, down_proj) in enumerate(self.layers):
-            norm_in, norm_post = self.norms[i]
-            qkv = qkv_proj(self._norm(x, norm_in))  # [T, (H + 2 KVH) d]
-            qk = qkv[:, :qk_width].view(at, heads + kv_heads, d)
-            rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-            qk = qk * cos + rotated * sin  # RoPE on q and k at once: [T, H + KVH, d]
-            v = qkv[:, qk_width:].view(at, kv_heads, d)
+        gqa = self.heads != self.kv_heads
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            out = q.new_empty(q.shape)
             for cache, start, end, past, mask, causal in spans:
                 stop = past + end - start
                 keys, values = cache.keys[i], cache.values[i]  # [KVH, capacity, d]
-                keys[:, past:stop] = qk[start:end, heads:].transpose(0, 1)
+                keys[:, past:stop] = k[start:end].transpose(0, 1)
                 values[:, past:stop] = v[start:end].transpose(0, 1)
                 o = F.scaled_dot_product_attention(
-                    qk[start:end, :heads].transpose(0, 1)[None], keys[None, :, :stop],
+                    q[start:end].transpose(0, 1)[None], keys[None, :, :stop],
                     values[None, :, :stop], attn_mask=mask, is_causal=causal, scale=self.scale,
                     enable_gqa=gqa)
                 out[start:end] = o[0].transpose(0, 1)
-            x = x + o_proj(out.view(at, heads * d))
-            gate, up = gate_up_proj(self._norm(x, norm_post)).chunk(2, dim=-1)
-            x = x + down_proj(F.silu(gate) * up)
+            return out
+
+        rows = torch.cat(keep)
+        hidden = self.run(torch.cat(tokens), torch.cat(positions), attend, rows)
         for cache, start, end, past, _, _ in spans:
             cache.length = past + end - start
-        rows = torch.cat(keep)
-        if rows.numel() == 0:
+        if hidden is None:
             return [torch.empty(0, self.columns) for _ in parts]
-        return split_logits(self.head(self._norm(x[rows], self.final_norm)).float(), parts)
-
-    @property
-    def columns(self) -> int:
-        return self.vocab_size if self.token_ids is None else int(self.token_ids.numel())
+        return split_logits(self.logits(hidden), parts)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specmesh_kernels.backend import AttentionBackend, select_attention_backend
+from specmesh_services.common.lean import LeanDecoder
 from specmesh_services.common.lm import CausalLM
 from specmesh_services.common.sampling import Sampler, SamplingParams
 from specmesh_services.common.tree import CompiledTree, TokenTree, compile_tree
@@ -44,6 +45,9 @@ class RequestKV:
     sampler: Sampler
     tokens: list[int]  # prompt + generated
     last_used: float = field(default_factory=time.monotonic)
+    # final hidden states of the last step's root and accepted nodes (lean target only): what
+    # draft heads condition on
+    hidden: torch.Tensor | None = None
 
     @property
     def generated(self) -> int:
@@ -102,7 +106,8 @@ class _Planned:
 
 
 class VerifierEngine:
-    def __init__(self, lm: CausalLM, name: str = "verifier", limits: EngineLimits | None = None,
+    def __init__(self, lm: CausalLM | LeanDecoder, name: str = "verifier",
+                 limits: EngineLimits | None = None,
                  backend: AttentionBackend | None = None) -> None:
         self.lm = lm
         self.name = name
@@ -113,7 +118,8 @@ class VerifierEngine:
         self.store = KVStore(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim,
                              self.limits.kv_budget_tokens, self.limits.block_size, lm.dtype,
                              lm.device, compact=self.backend.compact)
-        self.target = PackedTarget(lm.model, self.store, self.backend)
+        self.target = PackedTarget(lm if isinstance(lm, LeanDecoder) else lm.model, self.store,
+                                   self.backend)
         self.requests: dict[str, RequestKV] = {}
         self.cost = VerifyCostModel()
         self.steps = 0
@@ -205,8 +211,9 @@ class VerifierEngine:
             trees = sum(1 for p in planned.values() if p.tree is not None)
             nodes = sum(len(p.tree) for p in planned.values() if p.tree is not None)
             shape = (trees, nodes, sum(p.segment.num_rows for p in planned.values()))
-            for (i, plan), rows in zip(planned.items(), logits):
-                results[i] = self._commit(plan, rows, seconds, shape)
+            hidden = self.target.hidden or [None] * len(planned)
+            for (i, plan), rows, states in zip(planned.items(), logits, hidden):
+                results[i] = self._commit(plan, rows, seconds, shape, states)
             self._observe(list(planned.values()), trees, seconds)
         return [results[i] for i in range(len(items))]
 
@@ -284,8 +291,9 @@ class VerifierEngine:
 
     # commit -----------------------------------------------------------------------------------
     def _commit(self, plan: _Planned, logits: torch.Tensor, seconds: float,
-                shape: tuple[int, int, int]) -> StepResult:
-        """`shape`: (trees, their nodes, rows) of the whole step."""
+                shape: tuple[int, int, int], hidden: torch.Tensor | None = None) -> StepResult:
+        """`shape`: (trees, their nodes, rows) of the whole step; `hidden`: the tree rows' final
+        hidden states, when the target gives them."""
         req, seg = plan.req, plan.segment
         req.last_used = time.monotonic()
         self.prefill_rows += seg.logits_from
@@ -295,6 +303,8 @@ class VerifierEngine:
         root = len(req.tokens) - 1
         result = walk(plan.compiled, logits, req.sampler, req.tokens)
         self.store.commit(plan.request_id, root, [0, *result.rows])
+        if hidden is not None:
+            req.hidden = hidden[[0, *result.rows]]
         req.tokens.extend([*result.tokens, result.bonus])
         return StepResult(plan.request_id, StepOutcome(result, len(plan.tree), seconds, *shape))
 

@@ -12,6 +12,10 @@ metadata reaches our function as a forward keyword argument. Under that name tra
 no mask and no cache (the mask is ours, the cache is `KVStore`). The model's attention
 implementation is switched to ours only for the duration of a packed forward, so the same model
 object still serves plain `generate` (tests' reference) and the single-request `CausalLM` path.
+
+A target given as a `LeanDecoder` (common/lean.py, `Settings.target_runner`) runs the same
+packed batch through the project's own decoder loop instead: the same attention function body
+(K/V written to their slots, then the backend), without transformers' modules.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from specmesh_kernels.backend import AttentionBackend
+from specmesh_services.common.lean import LeanDecoder
 from specmesh_services.common.lm import attention_implementation, model_configs
 from specmesh_services.verifier.kv import KVStore
 
@@ -82,25 +87,55 @@ AttentionInterface.register(ATTN_NAME, _specmesh_attention)
 
 
 class PackedTarget:
-    """The target model plus the KV store and attention backend its packed forward uses."""
+    """The target (a transformers model or a `LeanDecoder`) plus the KV store and attention
+    backend its packed forward uses. After a forward with the lean decoder, `hidden` holds each
+    segment's final hidden states of the rows that got logits (draft heads train on them)."""
 
     def __init__(self, model, store: KVStore, backend: AttentionBackend) -> None:
-        self.model = model
-        self._configs = model_configs(model)
+        self.lean = model if isinstance(model, LeanDecoder) else None
+        self.model = None if self.lean is not None else model
+        self._configs = model_configs(model) if self.lean is None else []
         self.store = store
         self.backend = backend
         self.device = store.k.device
+        self.hidden: list[torch.Tensor] = []
 
     @torch.inference_mode()
     def forward(self, segments: list[Segment]) -> list[torch.Tensor]:
         """Runs all segments in one pass (their positions reserved in the store); returns each
         segment's logits rows from `logits_from` on: [n_s - logits_from, V] float32."""
         batch, keep = self._build(segments)
+        if self.lean is not None:
+            return self._run_lean(segments, batch, keep)
         with attention_implementation(self._configs, ATTN_NAME):
             return self._run(segments, batch, keep)
 
+    def _run_lean(self, segments: list[Segment], batch: PackedBatch, keep: torch.Tensor
+                  ) -> list[torch.Tensor]:
+        lean, store = self.lean, self.store
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                   ) -> torch.Tensor:
+            k_layer, v_layer = store.k[layer], store.v[layer]  # [slots, KVH, D]
+            k_layer.index_copy_(0, batch.new_slots, k.to(k_layer.dtype))
+            v_layer.index_copy_(0, batch.new_slots, v.to(v_layer.dtype))
+            return batch.backend.attend(q, k_layer, v_layer, batch.qo_indptr, batch.kv_indptr,
+                                        batch.kv_slots, batch.tree_mask, batch.mask_indptr,
+                                        lean.scale)
+
+        tokens = torch.cat([s.tokens for s in segments]).to(self.device)
+        positions = torch.cat([s.positions for s in segments]).to(self.device)
+        hidden = lean.run(tokens, positions, attend, keep.to(self.device))
+        if hidden is None:  # prefill chunks only
+            self.hidden = [torch.empty(0) for _ in segments]
+            return [torch.empty(0) for _ in segments]
+        sizes = [s.num_rows - s.logits_from for s in segments]
+        self.hidden = list(hidden.split(sizes))
+        return list(lean.logits(hidden).split(sizes))
+
     def _run(self, segments: list[Segment], batch: PackedBatch, keep: torch.Tensor
              ) -> list[torch.Tensor]:
+        self.hidden = []
         tokens = torch.cat([s.tokens for s in segments]).view(1, -1).to(self.device)
         positions = torch.cat([s.positions for s in segments]).view(1, -1).to(self.device)
         if keep.numel() == 0:  # prefill chunks only: skip the LM head

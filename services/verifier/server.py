@@ -8,10 +8,12 @@ import torch
 
 from specmesh_services.common import models, pool as pool_mod, serving
 from specmesh_services.common.config import Settings
+from specmesh_services.common.lean import LeanDecoder
+from specmesh_services.common.lean import supports as lean_supports
 from specmesh_services.common.lm import CausalLM
 from specmesh_services.common.rpc import start_server
 from specmesh_kernels.backend import select_attention_backend
-from specmesh_kernels.linear import int4_supports
+from specmesh_kernels.linear import exact_int4, int4_supports
 from specmesh_services.verifier.engine import EngineLimits, VerifierEngine
 from specmesh_services.verifier.servicer import SERVICE_NAME, VerifierServicer
 from specmesh_services.verifier.worker import VerifierWorker, default_name
@@ -35,20 +37,42 @@ def served_weights(settings: Settings, path) -> str:
     return "native" if models.int4_share(path) >= NATIVE_MIN_SHARE else "float"
 
 
-def load_target(settings: Settings) -> CausalLM:
+def native_key(linear) -> bool:
+    """Which layers a native target may fuse into one product: the 4-bit ones together, the
+    others together (a fused product is int4 only when every part is)."""
+    return exact_int4(linear.weight)
+
+
+def load_target(settings: Settings) -> CausalLM | LeanDecoder:
     """The target as served: its converted weights in `dtype`, or its native 4-bit layers with
-    float32 activations (`target_weights`); the output is lossless relative to these weights."""
+    float32 activations (`target_weights`), run by the lean decoder loop or transformers'
+    forward (`target_runner`); the output is lossless relative to these weights."""
     path = models.resolve(settings.model, settings.cache_dir)
     weights = served_weights(settings, path)
     dtype = torch.float32 if weights == "native" else models.resolve_dtype(settings.dtype)
-    model = models.load_model(path, dtype, linear=settings.linear, weights=weights)
-    lm = CausalLM(model, settings.model)
-    log.info("target %s: %d layers, %s, %s weights", settings.model, lm.num_layers, dtype,
-             weights)
+    runner = settings.target_runner
+    if runner == "transformers":
+        lm = CausalLM(models.load_model(path, dtype, linear=settings.linear, weights=weights),
+                      settings.model)
+    else:
+        model = models.load_model(path, dtype, linear="torch")
+        reason = lean_supports(model)
+        if reason is not None:
+            if runner == "lean":
+                raise ValueError(f"target_runner=lean: {reason}")
+            models.convert_linears(model, settings.linear, weights)
+            lm = CausalLM(model, settings.model)
+        else:
+            lm = LeanDecoder(model, settings.model,
+                             prepare=lambda m: models.convert_linears(m, settings.linear, weights),
+                             fuse_key=native_key if weights == "native" else None)
+            del model
+    log.info("target %s: %d layers, %s, %s weights, %s forward", settings.model, lm.num_layers,
+             dtype, weights, "lean" if isinstance(lm, LeanDecoder) else "transformers")
     return lm
 
 
-def build_engine(target: CausalLM, settings: Settings, name: str) -> VerifierEngine:
+def build_engine(target: CausalLM | LeanDecoder, settings: Settings, name: str) -> VerifierEngine:
     """The verifier engine as `settings.verifier` configures it (KV budget, batch, backend)."""
     v = settings.verifier
     limits = EngineLimits(kv_budget_tokens=v.kv_budget_tokens, block_size=v.kv_block_size,

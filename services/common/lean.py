@@ -1,0 +1,202 @@
+"""A lean decoder loop for Llama / Qwen2 models: the forward without transformers' per-layer
+machinery, shared by the drafter (draft models over per-request buffers) and the verifier (the
+target over the paged KV store).
+
+Why: at a few rows per call a forward's time is the weights' bytes plus a fixed cost per
+operation, and transformers' modules spend a large part of it outside the matrix products
+(docs/decisions/lean-draft-forward.md, docs/decisions/lean-target-forward.md).
+
+`LeanDecoder` runs the same computation as transformers' Llama / Qwen2 decoder with:
+- q/k/v and gate/up fused into one product each where the layers have the same kind of weights
+  (`fuse_key`: a native target keeps a 4-bit q/k next to a 6-bit v as two products),
+- rotary embeddings applied to q and k together, once per layer,
+- attention through a caller's function (`Attend`): it stores the new keys and values where its
+  caller keeps them and returns the attention output, so the same loop serves both KV layouts,
+- the final hidden states of the rows that get logits returned with them (draft heads need them).
+
+Its numbers equal transformers' forward up to float rounding (fused products, `F.rms_norm`),
+which tests/test_lean_draft.py and tests/test_lean_target.py bound. `supports` says why an
+architecture is not covered; callers then keep transformers' forward.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specmesh_services.common.models import context_length
+
+ARCHITECTURES = ("llama", "qwen2")
+
+# attend(layer, q [T, H, d], k [T, KVH, d], v [T, KVH, d]) -> attention output [T, H, d]
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def supports(model) -> str | None:
+    """None when `LeanDecoder` reproduces this transformers causal LM's decoder, else why not."""
+    config = model.config
+    if config.model_type not in ARCHITECTURES:
+        return f"architecture {config.model_type} (the lean forward covers " \
+               f"{', '.join(ARCHITECTURES)})"
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        return f"RoPE type {rope.get('rope_type')}"
+    if getattr(config, "use_sliding_window", False):
+        return "sliding-window attention"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act}"
+    if getattr(config, "mlp_bias", False):
+        return "MLP biases"
+    return None
+
+
+def fuse(linears: Sequence[nn.Linear]) -> nn.Linear:
+    """One float nn.Linear computing `linears` side by side (their outputs concatenated)."""
+    if len(linears) == 1:
+        return linears[0]
+    weight = torch.cat([m.weight.detach() for m in linears])
+    fused = nn.utils.skip_init(nn.Linear, weight.shape[1], weight.shape[0],
+                               bias=any(m.bias is not None for m in linears), dtype=weight.dtype,
+                               device=weight.device)
+    fused.weight.data = weight
+    if fused.bias is not None:
+        fused.bias.data = torch.cat([m.bias.detach() if m.bias is not None
+                                     else weight.new_zeros(m.out_features) for m in linears])
+    return fused
+
+
+def _runs(linears: Sequence[nn.Linear], key: Callable[[nn.Linear], object] | None
+          ) -> list[list[nn.Linear]]:
+    """`linears` split into consecutive runs of equal `key` (one run when key is None)."""
+    if key is None:
+        return [list(linears)]
+    runs: list[list[nn.Linear]] = []
+    last = object()
+    for m in linears:
+        k = key(m)
+        if runs and k == last:
+            runs[-1].append(m)
+        else:
+            runs.append([m])
+        last = k
+    return runs
+
+
+def _concatenated(parts: Sequence[Callable[[torch.Tensor], torch.Tensor]]
+                  ) -> Callable[[torch.Tensor], torch.Tensor]:
+    if len(parts) == 1:
+        return parts[0]
+    return lambda x: torch.cat([p(x) for p in parts], dim=-1)
+
+
+class LeanDecoder:
+    """A Llama / Qwen2 causal LM's decoder as a plain loop over its layers (module docstring).
+
+    Built from a transformers model with torch's own linears (its head may be a `SubsetHead`);
+    `prepare(linears)` converts the fused linears in place (a ModuleDict: quantize, pack for
+    oneDNN...), and `fuse_key(linear)` keeps layers with different keys in separate products.
+    The transformers model is not kept."""
+
+    def __init__(self, model, name: str, prepare: Callable[[nn.ModuleDict], object] | None = None,
+                 fuse_key: Callable[[nn.Linear], object] | None = None) -> None:
+        reason = supports(model)
+        if reason is not None:
+            raise ValueError(f"the lean forward does not cover this model: {reason}")
+        config = model.config
+        self.name = name
+        self.config = config
+        self.vocab_size: int = config.vocab_size
+        self.num_layers: int = config.num_hidden_layers
+        self.context_length: int = context_length(config)
+        base = model.model
+        self.dtype: torch.dtype = base.embed_tokens.weight.dtype
+        self.device = base.embed_tokens.weight.device
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.eps = config.rms_norm_eps
+        self.scale = self.head_dim ** -0.5
+        self.embed = base.embed_tokens.weight.detach()
+        rotary = base.rotary_emb
+        self.inv_freq = rotary.inv_freq.detach().float()
+        self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
+        linears = nn.ModuleDict()
+        runs: dict[str, list[str]] = {}
+        self.norms: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i, layer in enumerate(base.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            for part, members in (("qkv", [attn.q_proj, attn.k_proj, attn.v_proj]),
+                                  ("o", [attn.o_proj]),
+                                  ("gate_up", [mlp.gate_proj, mlp.up_proj]),
+                                  ("down", [mlp.down_proj])):
+                names = runs[f"{i}_{part}"] = []
+                for j, run in enumerate(_runs(members, fuse_key)):
+                    names.append(f"{i}_{part}_{j}")
+                    linears[names[-1]] = fuse(run)
+            self.norms.append((layer.input_layernorm.weight.detach(),
+                               layer.post_attention_layernorm.weight.detach()))
+        self.final_norm = base.norm.weight.detach()
+        head = model.get_output_embeddings()
+        self.token_ids: torch.Tensor | None = None  # column -> token id (None: identity)
+        if hasattr(head, "keep") and hasattr(head, "proj"):  # a SubsetHead (drafter/vocab.py)
+            self.token_ids = head.keep.clone()
+            head = head.proj
+        linears["head"] = head
+        if prepare is not None:
+            prepare(linears)
+        self.linears = linears
+
+        def call(key: str) -> Callable[[torch.Tensor], torch.Tensor]:
+            return _concatenated([linears[n].forward for n in runs[key]])
+
+        self.layers = [(call(f"{i}_qkv"), call(f"{i}_o"), call(f"{i}_gate_up"),
+                        call(f"{i}_down")) for i in range(self.num_layers)]
+        self.head = linears["head"].forward
+
+    @property
+    def columns(self) -> int:
+        return self.vocab_size if self.token_ids is None else int(self.token_ids.numel())
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+        # transformers normalizes in float32 and scales in the model's dtype
+        return weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos() * self.rope_scale, emb.sin() * self.rope_scale
+        return cos.to(self.dtype)[:, None], sin.to(self.dtype)[:, None]  # [T, 1, D]
+
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend,
+            rows: torch.Tensor | None) -> torch.Tensor | None:
+        """The decoder over T new rows (`tokens`, `positions`: [T] long on the model's device),
+        attention by `attend`; returns the final (normalized) hidden states of `rows` [R,
+        hidden] (None: no rows need them, e.g. prefill chunks: the final norm is skipped)."""
+        t = int(tokens.shape[0])
+        x = self.embed[tokens]  # [T, hidden]
+        cos, sin = self._rope(positions.to(self.inv_freq.device))
+        cos, sin = cos.to(x.device), sin.to(x.device)
+        heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
+        qk_width, half = (heads + kv_heads) * d, d // 2
+        for i, (qkv_proj, o_proj, gate_up_proj, down_proj) in enumerate(self.layers):
+            norm_in, norm_post = self.norms[i]
+            qkv = qkv_proj(self._norm(x, norm_in))  # [T, (H + 2 KVH) d]
+            qk = qkv[:, :qk_width].view(t, heads + kv_heads, d)
+            rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+            qk = qk * cos + rotated * sin  # RoPE on q and k at once: [T, H + KVH, d]
+            v = qkv[:, qk_width:].view(t, kv_heads, d)
+            out = attend(i, qk[:, :heads], qk[:, heads:], v)  # [T, H, d]
+            x = x + o_proj(out.reshape(t, heads * d))
+            gate, up = gate_up_proj(self._norm(x, norm_post)).chunk(2, dim=-1)
+            x = x + down_proj(F.silu(gate) * up)
+        if rows is None or rows.numel() == 0:
+            return None
+        return self._norm(x[rows], self.final_norm)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [R, columns] of final hidden states [R, hidden]."""
+        return self.head(hidden).float()
