@@ -129,6 +129,8 @@ class PaddedSegments:
     visible: torch.Tensor
     out_rows: torch.Tensor
     out_index: torch.Tensor
+    one_row: bool = False  # every segment has one new row: no row padding to undo
+    all_visible: bool = False  # and the same positions: no masking at all
 
     @staticmethod
     def build(meta: TreeBatch, max_rows: int) -> "PaddedSegments | None":
@@ -154,6 +156,8 @@ class PaddedSegments:
             visible[p, n:, 0] = True
             out_rows += range(meta.qo[s], meta.qo[s + 1])
             out_index += range(p * n_max, p * n_max + n)
+        one_row = n_max == 1
         return PaddedSegments(picked, slots, rows, visible,
                               torch.tensor(out_rows, device=device),
-                              torch.tensor(out_index, device=device))
+                              torch.tensor(out_index, device=device), one_row,
+                              one_row and all(meta.kv_len(s) == k_max for s in picked))

@@ -122,17 +122,24 @@ def _padded_attention(q, k_cache, v_cache, padded: PaddedSegments, scale: float,
     kvh, d = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // kvh
     # [P, N, H, D] -> [P, KVH, G * N, D]: query head h = kvh * G + g reads KV head kvh
-    qs = q[padded.rows].view(p, n, kvh, group, d).permute(0, 2, 3, 1, 4)
-    qs = qs.reshape(p, kvh, group * n, d).float()
+    if padded.one_row:  # plain decoding steps: the same layout without the copies
+        qs = q[padded.rows[:, 0]].view(p, kvh, group, d).float()
+    else:
+        qs = q[padded.rows].view(p, n, kvh, group, d).permute(0, 2, 3, 1, 4)
+        qs = qs.reshape(p, kvh, group * n, d).float()
     k = k_cache[padded.slots].permute(0, 2, 3, 1).float()  # [P, KVH, D, K]
     v = v_cache[padded.slots].transpose(1, 2).float()  # [P, KVH, K, D]
     scores = torch.matmul(qs, k).mul_(scale)  # [P, KVH, G * N, K]
-    scores = scores.view(p, kvh, group, n, -1).masked_fill_(
-        ~padded.visible[:, None, None], float("-inf"))
+    if not padded.all_visible:
+        scores = scores.view(p, kvh, group, n, -1).masked_fill_(
+            ~padded.visible[:, None, None], float("-inf"))
     probs = torch.softmax(scores.view(p, kvh, group * n, -1), dim=-1)
-    o = torch.matmul(probs, v).view(p, kvh, group, n, d)  # [P, KVH, G, N, D]
-    o = o.permute(0, 3, 1, 2, 4).reshape(p * n, kvh * group, d)  # [P * N, H, D]
-    out[padded.out_rows] = o[padded.out_index].to(out.dtype)
+    o = torch.matmul(probs, v)  # [P, KVH, G * N, D]
+    if padded.one_row:
+        out[padded.out_rows] = o.view(p, kvh * group, d).to(out.dtype)
+        return
+    o = o.view(p, kvh, group, n, d).permute(0, 3, 1, 2, 4).reshape(p * n, kvh * group, d)
+    out[padded.out_rows] = o[padded.out_index].to(out.dtype)  # [P * N, H, D], real rows
 
 
 # ---------------------------------------------------------------------------------------------

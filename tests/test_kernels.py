@@ -113,6 +113,7 @@ CASES = {  # name: (prefixes, trees, chain segments)
     "mixed": ([1, 17, 37, 300], [5, 23, 1, 23], ()),
     "prefill+tree": ([0, 17, 37], [40, 5, 23], (0, 1)),  # chain from scratch, chain on prefix
     "decode": ([3, 300, 40, 1], [1, 1, 1, 1], ()),  # plain decoding steps: one row each
+    "decode-same": ([40, 40, 40], [1, 1, 1], ()),  # ... of equal contexts: nothing masked
 }
 HEADS = {"gqa6-2": (6, 2), "mha4": (4, 4)}
 ATTENTION = {"torch": tree_attention_torch, "triton": tree_attention_triton,
