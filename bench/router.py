@@ -43,6 +43,7 @@ import json
 import platform
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import asdict, replace
 
@@ -59,6 +60,11 @@ from specmesh_services.verifier.server import served_weights
 DRAFTS = {"smollm2-135m": ("layers:8", "layers:20"),
           "qwen2.5-coder-1.5b": ("qwen2.5-coder-0.5b@auto", "layers:8")}
 NO_PIPELINE = {"router.draft_batch_max": 1, "router.max_pending_trees": 0}
+
+
+def drafts_of(model: str) -> tuple[str, str]:
+    """The two draft models of a target (DRAFTS; else two layer-truncated copies)."""
+    return DRAFTS.get(model, ("layers:8", "layers:16"))
 
 
 def ablation(drafts: tuple[str, str], nodes: int) -> list[tuple[str, dict, dict]]:
@@ -81,16 +87,41 @@ def ablation(drafts: tuple[str, str], nodes: int) -> list[tuple[str, dict, dict]
             ("minions-length", many, {**full, "speculation.tree_size": "length"})]
 
 
+def served_config(model: str, dtype: str, target_weights: str, draft: str, compute: Executor,
+                  **fields) -> Config:
+    """A run's Config: the dtype resolved, and the target's weights as `specmesh up` serves them
+    with this dtype (probed on the compute thread: the int4 probe is a torch op, and a second
+    thread's OpenMP team halves the speed of every later one, services/embedded.py)."""
+    weights = compute.submit(served_weights, Settings(model=model, dtype=dtype,
+                                                      target_weights=target_weights),
+                             models.resolve(model, Settings().cache_dir)).result()
+    resolved = str(models.resolve_dtype(dtype)).removeprefix("torch.")
+    return Config(model, draft, resolved, target_weights=weights, **fields)
+
+
+def base_settings(config: Config, min_probability: float = 0.6, draft_vocab: int = 0
+                  ) -> Settings:
+    """The mesh settings every method starts from: the run's target, dtype, weights and tree."""
+    return Settings(model=config.model, dtype=config.dtype, draft_vocab=draft_vocab,
+                    target_weights=config.target_weights).with_overrides(**{
+        "speculation.depth": config.depth, "speculation.width": config.width,
+        "speculation.min_probability": min_probability})
+
+
 def run_mesh(config: Config, prompts: list[Prompt], settings: Settings, c: int,
-             compute: Executor, name: str) -> MethodResult:
+             compute: Executor, name: str,
+             on_start: Callable[[object], None] | None = None) -> MethodResult:
     """The prompts through an embedded mesh with at most c in flight (batch 1: one at a time,
-    each timed on its own)."""
+    each timed on its own). `on_start(mesh)` is called after the warm-up, just before the timed
+    prompts (instruments of bench.step_time)."""
     from specmesh_services.embedded import EmbeddedMesh
 
     async def main() -> MethodResult:
         async with EmbeddedMesh.start(settings.with_overrides(**{"verifier.batch_size": c}),
                                       compute) as mesh:
             await mesh.generate(prompt="warm up", max_tokens=4)
+            if on_start is not None:
+                on_start(mesh)
             result = MethodResult(name)
             limit = asyncio.Semaphore(c)
             timed: list[tuple[object, float]] = [None] * len(prompts)
@@ -162,10 +193,7 @@ def run(config: Config, drafts: tuple[str, str], levels: list[int], nodes: int,
     speedup is against the mean of the plain runs just before and after it: a shared machine's
     speed drifts within a run, and a baseline timed once at its start mismeasures the methods
     at its end (docs/decisions/benchmark-method.md)."""
-    settings = Settings(model=config.model, dtype=config.dtype, draft_vocab=draft_vocab,
-                        target_weights=config.target_weights).with_overrides(**{
-        "speculation.depth": config.depth, "speculation.width": config.width,
-        "speculation.min_probability": min_probability})
+    settings = base_settings(config, min_probability, draft_vocab)
     tokenizer = models.load_tokenizer(models.resolve(config.model, settings.cache_dir))
     prompts = load_prompts(config, tokenizer)
     report = {"config": asdict(config), "drafts": list(drafts), "nodes": nodes,
@@ -282,20 +310,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tag", default="", help="suffix of the result files (runs in slices "
                         "of --methods / --concurrency do not overwrite each other)")
     args = parser.parse_args(argv)
-    dtype = str(models.resolve_dtype(args.dtype)).removeprefix("torch.")
-    drafts = tuple(args.drafts) if args.drafts else DRAFTS.get(args.model, ("layers:8",
-                                                                            "layers:16"))
+    drafts = tuple(args.drafts) if args.drafts else drafts_of(args.model)
     compute = compute_executor()
-    # on the compute thread: the int4 probe is a torch op, and a second thread's OpenMP team
-    # halves the speed of every later one (services/embedded.py)
-    weights = compute.submit(served_weights, Settings(model=args.model, dtype=args.dtype,
-                                                      target_weights=args.target_weights),
-                             models.resolve(args.model, Settings().cache_dir)).result()
-    config = Config(args.model, drafts[0], dtype, args.depth, 1, mtbench=args.mtbench,
-                    humaneval=args.humaneval, max_tokens=args.max_tokens, target_weights=weights)
+    config = served_config(args.model, args.dtype, args.target_weights, drafts[0], compute,
+                           depth=args.depth, width=1, mtbench=args.mtbench,
+                           humaneval=args.humaneval, max_tokens=args.max_tokens)
     if args.quick:
         config = replace(config, mtbench=3, humaneval=1, max_tokens=32)
-    name = (f"router-{args.model}-{dtype}" + ("-native" if weights == "native" else "")
+    name = (f"router-{args.model}-{config.dtype}"
+            + ("-native" if config.target_weights == "native" else "")
             + ("-quick" if args.quick else "")
             + (f"-{args.tag}" if args.tag else ""))
     head = {"machine": platform.processor() or platform.machine(),

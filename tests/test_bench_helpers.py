@@ -80,3 +80,21 @@ def test_alternate_summary_is_relative_to_the_first_configuration():
                      "prompts": [{"name": "p", "category": "code",
                                   "tok_s": {"a": 10.0, "b": 12.5}}]})
     assert "| b | speculation.width=2 | 12.50 | 1.250 | 4.00 |" in text
+
+
+# bench.step_time: the timeline that splits a step's time among its parts
+def test_each_instant_goes_to_the_first_active_label_and_the_rest_to_other():
+    from bench.step_time import timeline
+    s = 1_000_000_000  # ns
+    parts = timeline((0, 10 * s), {"compute": [(1 * s, 4 * s)],
+                                   "router": [(3 * s, 6 * s), (5 * s, 7 * s)],
+                                   "hops": [(0, 2 * s), (8 * s, 12 * s)]})
+    assert parts == {"compute": 3.0, "router": 3.0, "hops": 3.0, "other": 1.0}
+    assert sum(parts.values()) == 10.0, "the parts add up to the window"
+
+
+def test_a_request_loop_outside_its_waits_is_the_router():
+    from bench.step_time import subtract
+    assert subtract((0, 10), [(6, 8), (2, 4), (3, 5)]) == [(0, 2), (5, 6), (8, 10)]
+    assert subtract((0, 10), [(0, 10)]) == []
+    assert subtract((0, 10), [(-5, 1), (9, 20)]) == [(1, 9)]

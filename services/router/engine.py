@@ -382,20 +382,24 @@ class _RequestLoop:
             self.router.plans[self.request_id] = (choice.budget, choice.expected_length, 0.0)
             self.draft_seconds = self.switch_seconds = 0.0
             if choice.budget > 0:
-                await self.router.wait_for_room()
-                tree_pb = await self._draft(arm, choice.budget)
+                with tracer.start_as_current_span("router.draft", attributes={
+                        "specmesh.step": step, "specmesh.budget": choice.budget}):
+                    await self.router.wait_for_room()
+                    tree_pb = await self._draft(arm, choice.budget)
             else:
                 tree_pb = common_pb2.TokenTree()
             tree = TokenTree.from_pb(tree_pb)
             self.router.plans[self.request_id] = (len(tree), choice.expected_length,
                                                   self.draft_seconds)
             drafters = _drafters(tree)
-            result = await self.router.verify(
-                self.request_id, step, len(self.generated), tree_pb,
-                {"specmesh.arm": arm or "", "specmesh.budget": choice.budget,
-                 "specmesh.probe": choice.probe,
-                 "specmesh.expected_length": choice.expected_length,
-                 "specmesh.drafters": drafters})
+            # the tree's round trip: into the pool, verified, its result back
+            with tracer.start_as_current_span("router.verify", attributes={"specmesh.step": step}):
+                result = await self.router.verify(
+                    self.request_id, step, len(self.generated), tree_pb,
+                    {"specmesh.arm": arm or "", "specmesh.budget": choice.budget,
+                     "specmesh.probe": choice.probe,
+                     "specmesh.expected_length": choice.expected_length,
+                     "specmesh.drafters": drafters})
             emitted = [*result.accepted, result.bonus]
             seconds = time.perf_counter() - started
             sizing = self.sizing(arm or FIXED_ARM)

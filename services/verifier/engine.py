@@ -85,7 +85,9 @@ class StepStats:
     context: int  # KV positions attention read (sum over segments of prefix + new rows)
     segments: int  # requests in the pass
     trees: int  # of which verified a tree (the others prefilled a chunk)
-    seconds: float
+    seconds: float  # planning + forward (what results report as verify_seconds)
+    forward_seconds: float = 0.0  # of which the target's forward pass
+    walk_seconds: float = 0.0  # after it: the walks and KV commits of all trees
 
 
 @dataclass(frozen=True)
@@ -206,15 +208,20 @@ class VerifierEngine:
             planned[i] = plan
             budget -= plan.segment.num_rows
         if planned:
+            forward_start = time.perf_counter()
             logits = self.target.forward([p.segment for p in planned.values()])
-            seconds = time.perf_counter() - start
+            if self.store.k.is_cuda:  # the forward's own time, not its launch (the walk syncs)
+                torch.cuda.synchronize(self.store.k.device)
+            forward_end = time.perf_counter()
+            seconds = forward_end - start
             trees = sum(1 for p in planned.values() if p.tree is not None)
             nodes = sum(len(p.tree) for p in planned.values() if p.tree is not None)
             shape = (trees, nodes, sum(p.segment.num_rows for p in planned.values()))
             hidden = self.target.hidden or [None] * len(planned)
             for (i, plan), rows, states in zip(planned.items(), logits, hidden):
                 results[i] = self._commit(plan, rows, seconds, shape, states)
-            self._observe(list(planned.values()), trees, seconds)
+            self._observe(list(planned.values()), trees, seconds, forward_end - forward_start,
+                          time.perf_counter() - forward_end)
         return [results[i] for i in range(len(items))]
 
     # planning ---------------------------------------------------------------------------------
@@ -308,10 +315,12 @@ class VerifierEngine:
         req.tokens.extend([*result.tokens, result.bonus])
         return StepResult(plan.request_id, StepOutcome(result, len(plan.tree), seconds, *shape))
 
-    def _observe(self, planned: list[_Planned], trees: int, seconds: float) -> None:
+    def _observe(self, planned: list[_Planned], trees: int, seconds: float,
+                 forward_seconds: float = 0.0, walk_seconds: float = 0.0) -> None:
         rows = sum(p.segment.num_rows for p in planned)
         context = sum(p.segment.start + p.segment.num_rows for p in planned)
-        self.last_step = StepStats(rows, context, len(planned), trees, seconds)
+        self.last_step = StepStats(rows, context, len(planned), trees, seconds, forward_seconds,
+                                   walk_seconds)
         self.cost.observe(rows, context, len(planned), seconds)
         self.steps += 1
 

@@ -51,6 +51,7 @@ class VerifierWorker:
         self._serving: dict[str, float] = {}  # request -> when its last result went out
         self._step_s = 0.0  # EMA of step seconds (batch waiting's default)
         self.batch_waits = 0
+        self._waited_s = 0.0  # the last `_fill`'s wait for more trees
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._verify_loop(), name=f"{self.name}-verify"),
@@ -113,9 +114,11 @@ class VerifierWorker:
 
     async def _fill(self, batch: list[Taken]) -> list[Taken]:
         """Waits (up to `_wait_s`) for the trees of the requests being served to join."""
+        self._waited_s = 0.0
         if not batch:
             return batch
-        deadline = time.monotonic() + self._wait_s()
+        start = time.monotonic()
+        deadline = start + self._wait_s()
         waited = False
         while True:
             want = min(self._expected(batch), self.settings.batch_size) - len(batch)
@@ -128,6 +131,7 @@ class VerifierWorker:
                 break
             batch = batch + more
         self.batch_waits += waited
+        self._waited_s = time.monotonic() - start if waited else 0.0
         return batch
 
     async def _release_loop(self) -> None:
@@ -151,6 +155,7 @@ class VerifierWorker:
         if not ready:
             return []
         spans = [self._span(t, len(ready)) for t in ready]
+        steps = self.engine.steps
         try:
             done = await self._run(self.engine.step_entries, [t.entry for t in ready])
         except BaseException as err:
@@ -158,6 +163,10 @@ class VerifierWorker:
                 span.record_exception(err)
                 span.end()
             raise
+        if self.engine.steps > steps:  # it ran a forward pass: where the step's time went
+            timing = self._step_timing()
+            for span in spans:
+                span.set_attributes(timing)
         self._observe(done)
         deferred, completions = [], []
         for taken, span, out in zip(ready, spans, done):
@@ -177,6 +186,15 @@ class VerifierWorker:
         results = [out[0] for out in done if out is not None and not out[0].error]
         self.metrics.observe_step(self.engine, stats, sum(r.tree_size for r in results),
                                   sum(len(r.accepted) for r in results))
+
+    def _step_timing(self) -> dict:
+        """The engine step's index and time split, shared by all its entries' spans."""
+        stats = self.engine.last_step
+        return {"specmesh.verifier_step": self.engine.steps,
+                "specmesh.step_rows": stats.rows,
+                "specmesh.forward_seconds": stats.forward_seconds,
+                "specmesh.walk_seconds": stats.walk_seconds,
+                "specmesh.batch_wait_seconds": self._waited_s}
 
     def _span(self, taken: Taken, batch_size: int):
         entry = taken.entry
