@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import time
 from concurrent.futures import Executor, Future
@@ -264,6 +265,7 @@ class Run:
     timed_s: float  # the run's time as run_mesh measured it (the window's cross-check)
     parts_s: dict
     checks: dict
+    load: float  # the machine's 1-minute load average at the end (others' work slows it)
     ms_per_step: dict = field(default_factory=dict)
     share: dict = field(default_factory=dict)
     not_forward_share: float = 0.0
@@ -285,7 +287,7 @@ def run_one(config: Config, prompts, settings: Settings, batch: int, mode: str,
     found = split(probe)
     return Run(batch, mode, found["wall_s"], found["steps"], found["rows"], result.tokens,
                result.target_forwards, result.draft_tokens, result.plain_steps, result.seconds,
-               found["parts_s"], found["checks"])
+               found["parts_s"], found["checks"], os.getloadavg()[0])
 
 
 def host() -> str:
@@ -328,7 +330,8 @@ def markdown(report: dict) -> str:
                 f"{r['tokens'] / r['steps']:.2f} tokens per step, {r['tokens'] / r['wall_s']:.1f} "
                 f"tok/s, accepted length {r['tokens'] / r['request_steps']:.2f} "
                 f"({r['draft_tokens']} drafted nodes, {r['plain_steps']} of "
-                f"{r['request_steps']} request steps plain). Checks: the measured parts "
+                f"{r['request_steps']} request steps plain), load average "
+                f"{r.get('load', float('nan')):.1f}. Checks: the measured parts "
                 f"(all but other) sum to {100 * ch['measured_parts_over_step']:.1f}% of the "
                 f"step, the run is "
                 f"{100 * ch['wall_over_timed']:.1f}% of run_mesh's own timing of it, the "
