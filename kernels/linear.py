@@ -1,5 +1,5 @@
 """Linear layers for small row counts on CPU: weights packed once for oneDNN, and quantized
-weights for draft models.
+weights for draft models and native (GGUF 4-bit) targets.
 
 A verify step multiplies every weight matrix by root + tree rows (1-64 per request), a shape
 where torch's default CPU GEMM re-packs the whole weight on every call and its cost grows almost
@@ -14,11 +14,18 @@ docs/decisions/cpu-linear-kernels.md.
 Draft models may also run with int8 (`Int8Linear`) or int4 (`Int4Linear`) weights: a draft only
 guesses (the target verifies every token, so the served output does not change) and at batch 1
 its time is the bytes of its weights. int4 on AVX512 CPUs, int8 elsewhere (`draft_weights`, a
-spec's `@auto`): faster drafting per token (docs/decisions/draft-quantization.md). Never used
-for a target: the target's own numbers are what the output must equal.
+spec's `@auto`): faster drafting per token (docs/decisions/draft-quantization.md). A target is
+never re-quantized: the target's own numbers are what the output must equal.
 
     quantize_linears(draft_model)           # every nn.Linear -> Int8Linear (float32 activations)
     quantize_linears(draft_model, "int4")   # 4-bit codes in groups of 32 (torch's CPU int4 kernel)
+
+A native target runs the layers its GGUF stored as 4-bit blocks through the same int4 kernel
+with the blocks' own codes (`int4_lattice` recovers them from the dequantized weights) and its
+other layers as `RowStableLinear` (bf16 oneDNN); every row's result is independent of the rows
+beside it in a call (docs/decisions/target-weights.md).
+
+    native_int4(target_model)               # Q4_0 / Q4_1 / Q4_K layers -> Int4Linear, rest bf16
 """
 from __future__ import annotations
 
@@ -28,7 +35,7 @@ import math
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -277,15 +284,101 @@ def int8_supports() -> str | None:
 INT4_GROUP = 32  # inputs per (scale, offset) pair of Int4Linear
 # calls with at least this many rows (a prompt's prefill) use Int4Linear's bf16 copy (docstring)
 INT4_DENSE_ROWS = 16
+# how far off a level a weight may be, in levels, and still count as that level: float32
+# dequantization errs by ~1e-6 of one, a value off the lattice by far more
+LATTICE_TOLERANCE = 1e-3
+# weights per pass of `int4_lattice`: under torch's parallel grain (32768), so every op runs
+# cache-resident on the calling thread; a thread team per op cost 10-50x more on a busy 2-core
+# host (docs/decisions/target-weights.md)
+LATTICE_CHUNK = 32000
+ROUNDING = 1.5 * 2 ** 23  # float32's integers are 1 apart from 2^23
+
+
+class Int4Codes(NamedTuple):
+    """A weight [out, in] as 4-bit groups: w = low + codes * step per row and group of inputs."""
+
+    codes: torch.Tensor  # [out, in] uint8, 0..15
+    low: torch.Tensor  # [out, in // group] float32: each group's smallest weight
+    step: torch.Tensor  # [out, in // group] float32: its level spacing (0: a constant group)
+
+
+def round_int4(weight: torch.Tensor, group_size: int = INT4_GROUP) -> Int4Codes:
+    """`weight` [out, in] rounded to 16 evenly spaced levels from each group's minimum to its
+    maximum (a draft's quantization: not exact)."""
+    groups = weight.reshape(weight.shape[0], -1, group_size)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    step = ((high - low) / 15).clamp(min=1e-12)
+    codes = ((groups - low) / step).round().clamp(0, 15).to(torch.uint8)
+    return Int4Codes(codes.view_as(weight), low[..., 0], step[..., 0])
+
+
+def int4_lattice(weight: torch.Tensor, group_size: int = INT4_GROUP) -> Int4Codes | None:
+    """The exact 4-bit codes of `weight` [out, in] when every group of `group_size` inputs lies
+    on a lattice low + q * step with integers q in 0..15, else None: what a GGUF 4-bit block
+    dequantizes to, Q4_0 / Q4_1 (q spans 0..15) and Q4_K (d*sc*q - dmin*m: the quantizer often
+    leaves q short of 0 or 15, so min and max alone do not give the step).
+
+    A group with range r is on a lattice when (w - min) * k / r is an integer for every w, for
+    some k in 1..15 (k = max code); k = 15 is tried first (most groups), 14..1 for the rest.
+    Vectorized over chunks of LATTICE_CHUNK weights: ~3.5 ns of one core per weight, 4-8 s for
+    the 1.1e9 4-bit weights of a 1.5B model; a layer that is not 4-bit fails in its first chunk."""
+    if weight.dim() != 2 or weight.shape[1] % group_size:
+        return None
+    groups = weight.detach().reshape(-1, group_size).float()
+    count, chunk = groups.shape[0], max(1, LATTICE_CHUNK // group_size)
+    codes = torch.empty(count, group_size, dtype=torch.uint8)
+    low, step = torch.empty(count, 1), torch.empty(count, 1)
+    scratch = torch.empty(4, min(count, chunk), group_size)
+    for start in range(0, count, chunk):
+        end = min(start + chunk, count)
+        if not _lattice_chunk(groups[start:end], scratch[:, :end - start], codes[start:end],
+                              low[start:end], step[start:end]):
+            return None
+    out, features = weight.shape
+    return Int4Codes(codes.view(out, features), low.view(out, -1), step.view(out, -1))
+
+
+def _lattice_chunk(groups: torch.Tensor, scratch: torch.Tensor, codes: torch.Tensor,
+                   low: torch.Tensor, step: torch.Tensor) -> bool:
+    """`int4_lattice` of `groups` [n, group] into codes [n, group], low / step [n, 1] (scratch:
+    [4, n, group] float32); False when some group is on no lattice. Every pass covers the whole
+    chunk (masked by `pending`): gathering the few groups left costs more than the passes."""
+    torch.amin(groups, -1, keepdim=True, out=low)
+    span = groups.amax(-1, keepdim=True).sub_(low).clamp_(min=1e-30)  # constant: codes 0
+    unit = torch.sub(groups, low, out=scratch[0]).mul_(span.reciprocal())  # 0..1
+    found = scratch[1]
+    levels = torch.full_like(span, 15.0)
+    pending = None  # groups not yet on a lattice
+    for k in range(15, 0, -1):
+        x = torch.mul(unit, k, out=scratch[2])
+        # round to nearest by adding 1.5 * 2^23 (torch.round and floor start a thread team
+        # however small the tensor; x is within 0..15)
+        rounded = torch.add(x, ROUNDING, out=scratch[3]).sub_(ROUNDING)
+        # `<=` is False for nan: a nan weight is on no lattice
+        fit = x.sub_(rounded).abs_().amax(-1, keepdim=True) <= LATTICE_TOLERANCE
+        if pending is None:
+            found.copy_(rounded)
+            pending = ~fit
+        else:
+            fit &= pending
+            torch.where(fit, rounded, found, out=found)
+            levels.masked_fill_(fit, k)
+            pending &= ~fit
+        if not pending.any():
+            codes.copy_(found)
+            torch.div(span, levels, out=step)
+            return True
+    return False
 
 
 class Int4Linear(nn.Module):
     """y = x W^T + b with W in 4-bit codes q (0..15), one scale s and offset z per row and group
-    of `group_size` inputs: W ~ (q - 8) * s + z (asymmetric, round to nearest: the group's
-    minimum and maximum are exact codes). Packed once for torch's CPU int4 kernel, which takes
-    bf16 activations; float32 input and output (the rest of the draft stays float32: CPU
-    attention in bf16 is several times slower for one row). Rows are padded to a multiple of
-    16 (the kernel's tile) and the padding sliced off.
+    of `group_size` inputs: W ~ (q - 8) * s + z, s and z held in bf16. `codes=None` rounds W to
+    nearest (asymmetric: the group's minimum and maximum are exact codes); given `codes`
+    (`int4_lattice`: a GGUF 4-bit layer) are kept as they are. Packed once for torch's CPU int4
+    kernel, which takes bf16 activations; float32 input and output (the rest of the draft stays
+    float32: CPU attention in bf16 is several times slower for one row). Rows are padded to a
+    multiple of 16 (the kernel's tile) and the padding sliced off.
 
     The int4 kernel is built for few rows and prefills ~3x slower than bf16 weights packed for
     oneDNN, while a draft's prefill is on the request's critical path
@@ -297,27 +390,28 @@ class Int4Linear(nn.Module):
     `dense_rows=None`: int4 for every call."""
 
     def __init__(self, linear: nn.Linear, group_size: int = INT4_GROUP,
-                 dense_rows: int | None = INT4_DENSE_ROWS):
+                 dense_rows: int | None = INT4_DENSE_ROWS, codes: Int4Codes | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         if self.in_features % group_size:
             raise TypeError(f"int4 needs in_features divisible by {group_size}, got "
                             f"{self.in_features}")
-        weight = linear.weight.detach().float()
-        rows = -(-self.out_features // 16) * 16
-        if rows != self.out_features:
-            weight = torch.cat([weight, weight.new_zeros(rows - self.out_features,
-                                                         self.in_features)])
-        groups = weight.view(rows, -1, group_size)
-        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-        scale = ((high - low) / 15).clamp(min=1e-12)
-        codes = ((groups - low) / scale).round().clamp(0, 15).view(rows, -1).to(torch.int32)
-        offset = low + 8 * scale  # (q - 8) * s + z == q * s + low
+        if codes is None:  # round to nearest: the group's minimum and maximum are exact codes
+            codes = round_int4(linear.weight.detach().float(), group_size)
+        elif codes.codes.shape != (self.out_features, self.in_features) or \
+                codes.low.shape != (self.out_features, self.in_features // group_size):
+            raise ValueError(f"codes of shape {tuple(codes.codes.shape)} in groups of "
+                             f"{codes.codes.shape[1] // codes.low.shape[1]} do not fit a "
+                             f"{self.out_features} x {self.in_features} layer in groups of "
+                             f"{group_size}")
+        pad = -self.out_features % 16  # the kernel's tile; padding rows are sliced off
+        q, low, step = (nn.functional.pad(t, (0, 0, 0, pad)) for t in codes)
+        offset = low + 8 * step  # (q - 8) * s + z == q * s + low
         # [groups, rows, 2] bf16: the kernel's layout of (scale, offset)
-        self.register_buffer("scales", torch.stack([scale[..., 0], offset[..., 0]], -1)
-                             .transpose(0, 1).contiguous().bfloat16(), persistent=False)
+        self.register_buffer("scales", torch.stack([step, offset], -1).transpose(0, 1)
+                             .contiguous().bfloat16(), persistent=False)
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            codes, 1), persistent=False)
+            q.to(torch.int32), 1), persistent=False)
         bias = linear.bias.detach().float() if linear.bias is not None else None
         self.register_buffer("bias", bias, persistent=False)
         self.group_size = group_size
@@ -426,38 +520,89 @@ def cpu_has(*flags: str) -> bool:
 
 
 def exact_int4(weight: torch.Tensor, group_size: int = INT4_GROUP) -> bool:
-    """Whether every group of `group_size` inputs of `weight` [out, in] holds exactly 16 evenly
-    spaced levels spanning its range, w = q * scale + low with q in 0..15: what a GGUF Q4_0 /
-    Q4_1 block dequantizes to. Such a layer is served by Int4Linear with its codes unchanged."""
-    if weight.dim() != 2 or weight.shape[1] % group_size:
-        return False
-    for rows in weight.detach().float().split(256):  # stops at the first block of rows that fails
-        groups = rows.reshape(rows.shape[0], -1, group_size)
-        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-        scale = ((high - low) / 15).clamp(min=1e-30)
-        codes = ((groups - low) / scale).round()
-        # a wrong code is off by >= half a level; float32 rounding by ~1e-6 of one
-        if not bool((((codes * scale + low) - groups).abs() <= 1e-3 * scale).all()):
-            return False
-    return True
+    """Whether every group of `group_size` inputs of `weight` [out, in] holds 4-bit lattice
+    values (`int4_lattice`): a GGUF 4-bit layer, served by Int4Linear with its codes unchanged."""
+    return int4_lattice(weight, group_size) is not None
 
 
-def native_int4(model: nn.Module) -> tuple[int, int]:
+class RowStableLinear(nn.Module):
+    """y = x W^T + b with W in `dtype` packed for oneDNN, float32 input and output: a target's
+    layers that are not 4-bit. float32 keeps the weights as stored; bfloat16 reads half the
+    bytes (the product rounded to bf16, the bias added in float32).
+
+    A target layer must give a row the same bits whatever rows share its call (plain decoding
+    runs one row, a verify step a tree's rows). oneDNN's one-row path (a matrix-vector product)
+    sums in another order than its multi-row kernel, whose rows agree bit for bit (2..64 rows
+    measured, docs/decisions/target-weights.md): a one-row call runs as two rows, a zero row
+    beside it, and the spare row is dropped."""
+
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        copy = nn.utils.skip_init(nn.Linear, self.in_features, self.out_features, bias=False,
+                                  dtype=dtype)
+        copy.weight.data = linear.weight.detach().to(dtype)
+        self.packed = PackedLinear(copy, keep_dense=False)
+        bias = linear.bias.detach().float() if linear.bias is not None else None
+        self.register_buffer("bias", bias, persistent=False)
+        self.weight_dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            raise TypeError(f"RowStableLinear takes float32 input, got {x.dtype}")
+        flat = x.reshape(-1, self.in_features).to(self.weight_dtype)
+        rows = flat.shape[0]
+        if rows == 1:
+            flat = torch.cat([flat, flat.new_zeros(1, self.in_features)])
+        y = self.packed(flat)
+        y = y[:1] if rows == 1 else y
+        y = y.float() if self.bias is None else torch.add(self.bias, y)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, weight={self.weight_dtype} (oneDNN packed, "
+                f"one-row calls as two)")
+
+
+def native_rest() -> torch.dtype:
+    """How a native target holds its layers that are not 4-bit: bf16 where oneDNN runs it
+    (half the bytes of float32; docs/decisions/target-weights.md), else float32."""
+    return torch.bfloat16 if onednn_supports(torch.bfloat16) is None else torch.float32
+
+
+def native_supports() -> str | None:
+    """None when a native target runs here (the int4 kernel, oneDNN for its other layers), else
+    the reason."""
+    return int4_supports() or onednn_supports(native_rest())
+
+
+def native_int4(model: nn.Module, rest: torch.dtype | None = None) -> tuple[int, int]:
     """Serves a float32 CPU model's linear layers in the 4-bit form they were stored in: every
-    nn.Linear whose weights are `exact_int4` becomes an Int4Linear that runs every call through
-    the int4 kernel (row-count independent results, as a target needs); the others keep their
-    float32 weights. Returns (int4 layers, float layers)."""
-    reason = int4_supports()
+    nn.Linear whose weights are 4-bit lattice groups (`int4_lattice`) becomes an Int4Linear with
+    those codes that runs every call through the int4 kernel; the others (GGUF Q6_K, Q8_0...)
+    become RowStableLinear layers holding `rest` weights (None: `native_rest()`). Both give a
+    row the same result whatever the call's rows, as a target needs. Returns (int4 layers,
+    other layers)."""
+    rest = native_rest() if rest is None else rest
+    reason = int4_supports() or onednn_supports(rest)
     if reason is not None:
-        raise RuntimeError(f"native int4 weights cannot run here: {reason}")
+        raise RuntimeError(f"native weights cannot run here: {reason}")
     linears = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
-    exact = [(name, m) for name, m in linears
-             if m.weight.dtype == torch.float32 and exact_int4(m.weight)]
+    if any(m.weight.dtype != torch.float32 or m.weight.device.type != "cpu" for _, m in linears):
+        raise TypeError("native weights need a float32 CPU model")
+    int4 = 0
     with torch.inference_mode(False), torch.no_grad():
-        for name, module in exact:
+        for name, module in linears:
+            codes = int4_lattice(module.weight)
+            if codes is not None:
+                int4 += 1
+                layer = Int4Linear(module, dense_rows=None, codes=codes)
+            else:
+                layer = RowStableLinear(module, rest)
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child, Int4Linear(module, dense_rows=None))
-    log.info("native weights: %d linear layers int4 (exact 4-bit groups of %d), %d float32",
-             len(exact), INT4_GROUP, len(linears) - len(exact))
-    return len(exact), len(linears) - len(exact)
+            setattr(parent, child, layer)
+    log.info("native weights: %d linear layers int4 (4-bit groups of %d), %d %s",
+             int4, INT4_GROUP, len(linears) - int4, str(rest).removeprefix("torch."))
+    return int4, len(linears) - int4

@@ -154,10 +154,11 @@ class Settings(BaseSettings):
     target_weights: Literal["auto", "float", "native"] = Field(
         "auto", description="the target's weights as served: float = the converted weights in "
                             "`dtype`; native = the layers the GGUF stores as 4-bit blocks keep "
-                            "their codes and run through torch's CPU int4 kernel, the rest in "
-                            "float32; auto = native where dtype is auto and most linear weights "
-                            "are 4-bit (SmolLM2), else float. Lossless relative to the weights "
-                            "as served")
+                            "their codes and run through torch's CPU int4 kernel, the others "
+                            "(6- and 8-bit blocks) in bf16, activations in float32; auto = "
+                            "native where dtype is auto and most linear weights are 4-bit "
+                            "(SmolLM2, Qwen2.5-Coder), else float. Lossless relative to the "
+                            "weights as served")
     drafters: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="draft models: 'layers:N' (first N layers of the target) or a model name/dir, "

@@ -17,6 +17,7 @@ import functools
 import importlib.util
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -228,7 +229,8 @@ def load_model(path: Path, dtype: torch.dtype, num_layers: int | None = None,
     norm and LM head): the layer-truncated draft of a target. `linear` picks the kernels of its
     linear layers (kernels/linear.py: "auto" packs them for oneDNN where the CPU runs the dtype,
     "torch" keeps transformers' own). `weights="native"` (float32 only) serves the layers the
-    GGUF stored as 4-bit blocks through the int4 kernel, codes unchanged (`native_int4`)."""
+    GGUF stored as 4-bit blocks (Q4_0 / Q4_1 / Q4_K) through the int4 kernel, codes unchanged,
+    and its other linear layers in bf16 where oneDNN runs it (`native_int4`)."""
     if weights not in ("float", "native"):
         raise ValueError(f"unknown weights '{weights}' (expected float or native)")
     if weights == "native" and dtype != torch.float32:
@@ -303,11 +305,16 @@ def eos_token_ids(path: Path, tokenizer) -> list[int]:
     return sorted(ids)
 
 
+INT4_PROBE_ROWS = 64  # `int4_share` reads a tensor whole only when these rows are 4-bit
+
+
 @functools.cache
 def int4_share(path: Path) -> float:
-    """Share of a model directory's linear-layer weights (2-D, LM head included) that are exact
-    4-bit groups (`exact_int4`): the part a native target would run through the int4 kernel.
-    Read tensor by tensor from its safetensors files, so nothing is loaded twice into memory."""
+    """Share of a model directory's linear-layer weights (2-D, LM head included) that are 4-bit
+    lattice groups (`exact_int4`: GGUF Q4_0 / Q4_1 / Q4_K): the part a native target would run
+    through the int4 kernel. Read tensor by tensor from its safetensors files, so nothing is
+    loaded twice into memory, and a tensor whose first rows are not 4-bit is not read further:
+    a few seconds for a 1.5B model, once per process."""
     from safetensors import safe_open
     from specmesh_kernels.linear import exact_int4
 
@@ -317,7 +324,9 @@ def int4_share(path: Path) -> float:
             for key in tensors.keys():
                 if not key.endswith("proj.weight") and key != "lm_head.weight":
                     continue
-                weight = tensors.get_tensor(key)
-                total += weight.numel()
-                exact += weight.numel() if exact_int4(weight) else 0
+                part = tensors.get_slice(key)
+                size = math.prod(part.get_shape())
+                total += size
+                if exact_int4(part[:INT4_PROBE_ROWS]) and exact_int4(tensors.get_tensor(key)):
+                    exact += size
     return exact / total if total else 0.0

@@ -13,7 +13,7 @@ from specmesh_services.common.lean import supports as lean_supports
 from specmesh_services.common.lm import CausalLM
 from specmesh_services.common.rpc import start_server
 from specmesh_kernels.backend import select_attention_backend
-from specmesh_kernels.linear import exact_int4, int4_supports
+from specmesh_kernels.linear import exact_int4, native_supports
 from specmesh_services.verifier.engine import EngineLimits, VerifierEngine
 from specmesh_services.verifier.servicer import SERVICE_NAME, VerifierServicer
 from specmesh_services.verifier.worker import VerifierWorker, default_name
@@ -27,12 +27,13 @@ NATIVE_MIN_SHARE = 0.5
 
 
 def served_weights(settings: Settings, path) -> str:
-    """`target_weights`, with auto resolved: native where the dtype is left to auto, the int4
-    kernel runs and most linear weights are exact 4-bit groups (docs/decisions/target-weights.md),
-    else the converted float weights."""
+    """`target_weights`, with auto resolved: native where the dtype is left to auto, its kernels
+    run (`native_supports`) and at least NATIVE_MIN_SHARE of the linear weights are 4-bit
+    lattice groups (GGUF Q4_0 / Q4_1 / Q4_K; docs/decisions/target-weights.md), else the
+    converted float weights."""
     if settings.target_weights != "auto":
         return settings.target_weights
-    if settings.dtype != "auto" or int4_supports() is not None:
+    if settings.dtype != "auto" or native_supports() is not None:
         return "float"
     return "native" if models.int4_share(path) >= NATIVE_MIN_SHARE else "float"
 
