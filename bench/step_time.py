@@ -358,8 +358,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
-    parser.add_argument("--draft", help="the draft model [bench.router's first draft of the "
-                        "model: smollm2 layers:8, qwen 1.5b the 0.5b@auto]")
+    parser.add_argument("--draft", help="the draft model [the model's serving default: "
+                        "smollm2 layers:24, qwen 1.5b the 0.5b@auto]")
     parser.add_argument("--target-weights", default="auto", choices=["auto", "float", "native"])
     parser.add_argument("--target-runner", choices=["lean", "transformers"],
                         help="the target's forward (Settings.target_runner, where this version "
@@ -374,7 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     defaults = Settings().speculation
     drafts = drafts_of(args.model)
-    drafts = (args.draft, drafts[1]) if args.draft else drafts
+    source = models.REGISTRY.get(args.model)
+    draft = args.draft or (source.default_draft if source else drafts[0])  # what `up` serves
+    drafts = (draft, drafts[1])
     compute = TimedExecutor(compute_executor())
     config = served_config(args.model, args.dtype, args.target_weights, drafts[0], compute,
                            depth=defaults.depth, width=defaults.width, mtbench=args.mtbench,

