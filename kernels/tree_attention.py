@@ -127,14 +127,21 @@ def _padded_attention(q, k_cache, v_cache, padded: PaddedSegments, scale: float,
     else:
         qs = q[padded.rows].view(p, n, kvh, group, d).permute(0, 2, 3, 1, 4)
         qs = qs.reshape(p, kvh, group * n, d).float()
-    k = k_cache[padded.slots].permute(0, 2, 3, 1).float()  # [P, KVH, D, K]
-    v = v_cache[padded.slots].transpose(1, 2).float()  # [P, KVH, K, D]
-    scores = torch.matmul(qs, k).mul_(scale)  # [P, KVH, G * N, K]
+    # K/V gathered once as [P, K, KVH, D] (index_select: advanced indexing costs ~3x) and read
+    # per KV head through strided views that BLAS takes as they are: a matmul over one permuted
+    # [P, KVH, K, D] copies both operands first (docs/decisions/cpu-tree-attention.md)
+    k_max = padded.slots.shape[1]
+    flat = padded.slots.view(-1)
+    k = k_cache.index_select(0, flat).view(p, k_max, kvh, d).float()
+    v = v_cache.index_select(0, flat).view(p, k_max, kvh, d).float()
+    scores = torch.stack([torch.bmm(qs[:, h], k[:, :, h].transpose(1, 2)) for h in range(kvh)],
+                         dim=1).mul_(scale)  # [P, KVH, G * N, K]
     if not padded.all_visible:
         scores = scores.view(p, kvh, group, n, -1).masked_fill_(
             ~padded.visible[:, None, None], float("-inf"))
     probs = torch.softmax(scores.view(p, kvh, group * n, -1), dim=-1)
-    o = torch.matmul(probs, v)  # [P, KVH, G * N, D]
+    o = torch.stack([torch.bmm(probs[:, h], v[:, :, h]) for h in range(kvh)],
+                    dim=1)  # [P, KVH, G * N, D]
     if padded.one_row:
         out[padded.out_rows] = o.view(p, kvh * group, d).to(out.dtype)
         return
