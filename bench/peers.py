@@ -8,7 +8,6 @@ request at a time) and batch 8 (8 requests in flight):
 
   transformers  plain      `generate` (batch 8: consecutive batches of 8, left-padded)
   specmesh      plain      the embedded mesh with speculation off (depth 0)
-                plain-native  speculation off, native weights (where `auto` serves float)
                 default    the serving defaults (what `specmesh up` runs: the target's default
                            draft, adaptive tree size, pipeline)
   llama.cpp     plain      llama-server, `--parallel 8` at batch 8, the model's GGUF as stored
@@ -119,18 +118,12 @@ class Bench:
 
     def specmesh(self, compute) -> None:
         from bench.router import run_mesh
-        from specmesh_kernels.linear import native_supports
-        from specmesh_services.verifier.server import NATIVE_MIN_SHARE, served_weights
+        from specmesh_services.verifier.server import served_weights
 
         settings = Settings(model=self.config.model, dtype=self.args.dtype)
         path = models.resolve(self.config.model, settings.cache_dir)
         plain = settings.with_overrides(**{"speculation.depth": 0})
-        runs = [("plain", plain), ("default", settings)]
-        if (compute.submit(served_weights, settings, path).result() != "native"
-                and native_supports() is None and models.int4_share(path) >= NATIVE_MIN_SHARE):
-            # auto serves float where speculation pays so; its native plain decoding beside it
-            runs.insert(1, ("plain-native", plain.with_overrides(target_weights="native")))
-        for mode, mesh in runs:
+        for mode, mesh in (("plain", plain), ("default", settings)):
             weights = compute.submit(served_weights, mesh, path).result()
             weights = self.config.dtype + (" + int4 (GGUF codes)" if weights == "native" else "")
             for c in self.args.batches:

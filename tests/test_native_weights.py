@@ -285,4 +285,6 @@ def test_auto_serves_qwen_as_its_registry_entry_says(base_settings, qwen_path):
     auto = base_settings.with_overrides(model=QWEN, dtype="auto", target_weights="auto")
     assert models.REGISTRY[QWEN].auto_weights == "float"  # its draft's chains pay only in bf16
     assert served_weights(auto, qwen_path) == "float"
+    plain = auto.with_overrides(**{"speculation.depth": 0})
+    assert served_weights(plain, qwen_path) == "native"  # one-row steps: native is faster
     assert served_weights(auto.with_overrides(target_weights="native"), qwen_path) == "native"

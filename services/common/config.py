@@ -157,9 +157,9 @@ class Settings(BaseSettings):
                             "their codes and run through torch's CPU int4 kernel, the others "
                             "(6- and 8-bit blocks) in bf16, activations in float32; auto = "
                             "native where dtype is auto, most linear weights are 4-bit and "
-                            "the model's registry entry does not prefer float (SmolLM2: native; "
-                            "Qwen2.5-Coder-1.5B: float, its draft's chains pay only there), "
-                            "else float. Lossless relative to the weights as served")
+                            "the model's registry entry does not prefer float with speculation "
+                            "on (SmolLM2: native; Qwen2.5-Coder-1.5B: float, its draft's chains "
+                            "pay only there; native with speculation off), else float. Lossless relative to the weights as served")
     drafters: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="draft models: 'layers:N' (first N layers of the target) or a model name/dir, "

@@ -44,8 +44,9 @@ class ModelSource:
     gguf_file: str | None = None  # single GGUF file inside packages[0]
     default_draft: str = "layers:8"  # draft when none is configured
     chat_family: str = ""  # models sharing a tokenizer (drafts must match the target's)
-    # what target_weights=auto serves where the GGUF's 4-bit layers could run natively: "native"
-    # or "float", whichever ran the serving defaults faster (docs/decisions/target-weights.md)
+    # what target_weights=auto serves with speculation on where the GGUF's 4-bit layers could run
+    # natively: "native" or "float", whichever ran the serving defaults faster (speculation off
+    # always takes native: one-row steps; docs/decisions/target-weights.md)
     auto_weights: str = "native"
 
 

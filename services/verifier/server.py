@@ -29,15 +29,15 @@ NATIVE_MIN_SHARE = 0.5
 def served_weights(settings: Settings, path) -> str:
     """`target_weights`, with auto resolved: native where the dtype is left to auto, its kernels
     run (`native_supports`), at least NATIVE_MIN_SHARE of the linear weights are 4-bit lattice
-    groups (GGUF Q4_0 / Q4_1 / Q4_K) and the model's registry entry does not serve it float
-    (`auto_weights`: float where the serving defaults ran faster so); else the converted float
-    weights (docs/decisions/target-weights.md)."""
+    groups (GGUF Q4_0 / Q4_1 / Q4_K) and, with speculation on, the model's registry entry does
+    not serve it float (`auto_weights`: float where its draft's trees pay only so; plain decoding
+    is faster native); else the converted float weights (docs/decisions/target-weights.md)."""
     if settings.target_weights != "auto":
         return settings.target_weights
     if settings.dtype != "auto" or native_supports() is not None:
         return "float"
     source = models.REGISTRY.get(settings.model)
-    if source is not None and source.auto_weights != "native":
+    if source is not None and source.auto_weights != "native" and settings.speculation.depth:
         return source.auto_weights
     return "native" if models.int4_share(path) >= NATIVE_MIN_SHARE else "float"
 
