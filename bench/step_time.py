@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     parser.add_argument("--draft", help="the draft model [the model's serving default: "
-                        "smollm2 layers:24, qwen 1.5b the 0.5b@auto]")
+                        "smollm2 layers:8, qwen 1.5b the 0.5b@auto]")
     parser.add_argument("--target-weights", default="auto", choices=["auto", "float", "native"])
     parser.add_argument("--target-runner", choices=["lean", "transformers"],
                         help="the target's forward (Settings.target_runner, where this version "

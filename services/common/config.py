@@ -159,7 +159,8 @@ class Settings(BaseSettings):
                             "native where dtype is auto, most linear weights are 4-bit and "
                             "the model's registry entry does not prefer float with speculation "
                             "on (SmolLM2: native; Qwen2.5-Coder-1.5B: float, its draft's chains "
-                            "pay only there; native with speculation off), else float. Lossless relative to the weights as served")
+                            "pay only there; native with speculation off), else float. "
+                            "Lossless relative to the weights as served")
     drafters: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="draft models: 'layers:N' (first N layers of the target) or a model name/dir, "
