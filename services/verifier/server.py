@@ -44,10 +44,10 @@ def served_weights(settings: Settings, path) -> str:
 
 def native_key(linear) -> bool:
     """Which layers a native target may fuse into one product: the 4-bit ones together, the
-    others together (a fused product is int4 only when every part is). Judged on the first 64
-    rows, as `int4_share` does: `native_int4` checks the fused weights in full afterwards, so the
+    others together (a fused product is int4 only when every part is). Judged on the first rows,
+    as `int4_share` does: `native_int4` checks the fused weights in full afterwards, so the
     whole of a layer's weights is searched for its lattice once, not twice."""
-    return exact_int4(linear.weight[:64])
+    return exact_int4(linear.weight[:models.INT4_PROBE_ROWS])
 
 
 def load_target(settings: Settings) -> CausalLM | LeanDecoder:
