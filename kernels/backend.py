@@ -121,21 +121,25 @@ def _build(name: str) -> AttentionBackend:
 
 # ---------------------------------------------------------------------------------------------
 # triton: one tree-attention launch, or split-KV when a long request would dominate it
-SPLIT_KV_CHUNK = 512  # KV positions per work item once a segment is longer than this
+# Threshold and chunk measured on an H100: docs/decisions/cuda-split-kv.md
+SPLIT_KV_MIN = 4096  # split-KV only once some segment's KV is longer than this
+SPLIT_KV_CHUNK = 1024  # KV positions per work item once split
 
 
 def tree_attention_split(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_slots, tree_mask,
                          mask_indptr, scale: float, meta: TreeBatch | None = None,
-                         chunk_size: int = SPLIT_KV_CHUNK) -> torch.Tensor:
-    """The Triton backend's attend: when every segment's KV fits in one chunk, a single
-    tree-attention launch; otherwise SPIN's request decomposition (kernels/decomposed.py): long
-    segments are cut into chunks of <= chunk_size positions, every chunk a work item of one
-    launch, merged exactly by log-sum-exp, so a long request does not serialize the batch."""
+                         chunk_size: int = SPLIT_KV_CHUNK, min_kv: int = SPLIT_KV_MIN
+                         ) -> torch.Tensor:
+    """The Triton backend's attend: when every segment's KV is at most max(min_kv, chunk_size)
+    positions, a single tree-attention launch; otherwise SPIN's request decomposition
+    (kernels/decomposed.py): segments are cut into chunks of <= chunk_size positions, every
+    chunk a work item of one launch, merged exactly by log-sum-exp, so a long request does not
+    serialize the batch on a few programs."""
     from specmesh_kernels.decomposed import decomposed_attention_triton
     from specmesh_kernels.tree_attention import tree_attention_triton
 
     meta = meta or TreeBatch.build(qo_indptr, kv_indptr, kv_slots, tree_mask, mask_indptr)
-    if max(meta.kv_len(s) for s in range(meta.num_segments)) <= chunk_size:
+    if max(meta.kv_len(s) for s in range(meta.num_segments)) <= max(min_kv, chunk_size):
         return tree_attention_triton(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_slots,
                                      tree_mask, mask_indptr, scale, meta=meta)
     o, _ = decomposed_attention_triton(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_slots,

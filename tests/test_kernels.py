@@ -2,7 +2,10 @@
 batches (prefixes 0/1/17/37/300, trees of 1/5/23 nodes from random parent arrays, GQA, shuffled
 non-contiguous slots), plus identities: merged chunks == monolithic attention, a chain-shaped
 tree == causal attention, in-order compaction. The Triton kernels run under TRITON_INTERPRET=1
-(set by conftest.py before anything imports triton), so shapes stay small.
+(set by conftest.py before anything imports triton), so shapes stay small. With
+CUDA_VISIBLE_DEVICES set (conftest.py then leaves TRITON_INTERPRET unset) and a GPU, every tensor
+lives on CUDA and the kernels are compiled for it (tests/test_cuda.py adds realistic shapes);
+with neither, the Triton cases skip.
 
 Run: .venv/bin/pytest tests/test_kernels.py -q --durations=10
 """
@@ -14,7 +17,7 @@ import math
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import pytest
 import torch
@@ -30,6 +33,16 @@ from specmesh_kernels.tree_attention import (segment_mask, tree_attention_ref, t
                                     tree_attention_triton)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# where the tests' tensors live: CUDA when there is one and Triton compiles for it, else the CPU
+DEVICE = torch.device("cuda" if not INTERPRET and torch.cuda.is_available() else "cpu")
+TRITON_RUNS = INTERPRET or DEVICE.type == "cuda"
+needs_triton = pytest.mark.skipif(not TRITON_RUNS,
+                                  reason="Triton needs CUDA or TRITON_INTERPRET=1 (conftest.py)")
+
+
+def impls(names) -> list:
+    """Parametrize values: the names, the Triton ones marked needs_triton."""
+    return [pytest.param(n, marks=needs_triton) if "triton" in n else n for n in names]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -67,6 +80,10 @@ class Batch:
         return (self.q, self.k_cache, self.v_cache, self.qo_indptr, self.kv_indptr, self.kv_slots,
                 self.tree_mask, self.mask_indptr, self.scale)
 
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(*(getattr(self, f.name).to(device) if f.name != "scale"
+                       else self.scale for f in fields(self)))
+
 
 def indptr(sizes: list[int]) -> torch.Tensor:
     return torch.tensor([0] + sizes).cumsum(0)
@@ -74,9 +91,10 @@ def indptr(sizes: list[int]) -> torch.Tensor:
 
 def make_batch(prefixes: list[int], trees: list[int], heads: int = 6, kv_heads: int = 2,
                dim: int = 32, dtype: torch.dtype = torch.float32, seed: int = 0,
-               chains: tuple[int, ...] = ()) -> Batch:
+               chains: tuple[int, ...] = (), device: torch.device | str = DEVICE) -> Batch:
     """Segment s: prefixes[s] committed positions + trees[s] new rows (a random tree, or a
-    causal chain if s in chains), its positions at shuffled slots of a larger cache."""
+    causal chain if s in chains), its positions at shuffled slots of a larger cache; built on
+    the CPU (seeded), then moved to `device`."""
     g = torch.Generator().manual_seed(seed)
     masks = [torch.ones(n, n, dtype=torch.bool).tril() if s in chains
              else mask_from_parents(random_parents(n, g)) for s, n in enumerate(trees)]
@@ -87,7 +105,7 @@ def make_batch(prefixes: list[int], trees: list[int], heads: int = 6, kv_heads: 
     return Batch(rand(sum(trees), heads, dim), rand(num_slots, kv_heads, dim),
                  rand(num_slots, kv_heads, dim), indptr(trees), indptr(kv_lens), slots,
                  torch.cat([m.reshape(-1) for m in masks]), indptr([n * n for n in trees]),
-                 1.0 / math.sqrt(dim))
+                 1.0 / math.sqrt(dim)).to(device)
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-3,
@@ -123,7 +141,7 @@ ATTENTION = {"torch": tree_attention_torch, "triton": tree_attention_triton,
 
 @pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-@pytest.mark.parametrize("impl", ATTENTION.keys())
+@pytest.mark.parametrize("impl", impls(ATTENTION))
 def test_tree_attention_matches_reference(impl, case, heads):
     prefixes, trees, chains = case
     batch = make_batch(prefixes, trees, *heads, chains=chains, seed=len(trees) + heads[1])
@@ -131,6 +149,7 @@ def test_tree_attention_matches_reference(impl, case, heads):
     assert_close(ATTENTION[impl](*batch.args()), expected, what=impl)
 
 
+@needs_triton
 def test_triton_irregular_head_dim_and_meta_reuse():
     """D = 24 (not a power of two) and one TreeBatch shared by two calls (two 'layers')."""
     batch = make_batch([37, 3], [5, 7], heads=4, kv_heads=1, dim=24, seed=3)
@@ -141,7 +160,7 @@ def test_triton_irregular_head_dim_and_meta_reuse():
         assert_close(tree_attention_torch(*batch.args(), meta=meta), expected, what="torch")
 
 
-@pytest.mark.parametrize("impl", ATTENTION.keys())
+@pytest.mark.parametrize("impl", impls(ATTENTION))
 def test_bf16_matches_float32_reference(impl):
     batch = make_batch([37, 300, 0], [23, 5, 17], dtype=torch.bfloat16, chains=(2,), seed=4)
     out = ATTENTION[impl](*batch.args())
@@ -149,14 +168,14 @@ def test_bf16_matches_float32_reference(impl):
     assert_close(out, tree_attention_ref(*batch.args()), rel=2e-2, what=f"{impl} bf16")
 
 
-@pytest.mark.parametrize("impl", ["ref", *ATTENTION.keys()])
+@pytest.mark.parametrize("impl", impls(["ref", *ATTENTION]))
 @pytest.mark.parametrize("prefix", [0, 17, 37])
 def test_chain_equals_causal_attention(impl, prefix):
     """A chain-shaped tree after a prefix == SDPA is_causal over prefix + chain (its last rows)."""
     n, heads, kv_heads, dim = 9, 6, 2, 32
     batch = make_batch([prefix], [n], heads, kv_heads, dim, chains=(0,), seed=prefix)
     g = torch.Generator().manual_seed(7)
-    q_full = torch.randn(prefix + n, heads, dim, generator=g)  # [P + n, H, D]
+    q_full = torch.randn(prefix + n, heads, dim, generator=g).to(DEVICE)  # [P + n, H, D]
     batch.q = q_full[prefix:].contiguous()
     k = batch.k_cache[batch.kv_slots].transpose(0, 1)[None]  # [1, KVH, P + n, D]
     v = batch.v_cache[batch.kv_slots].transpose(0, 1)[None]
@@ -190,7 +209,7 @@ CHUNKS = {  # chunk size: batch (prefixes, trees); chunk 1 stays small (one item
 
 
 @pytest.mark.parametrize("chunk", CHUNKS.keys())
-@pytest.mark.parametrize("impl", DECOMPOSED.keys())
+@pytest.mark.parametrize("impl", impls(DECOMPOSED))
 def test_merged_chunks_equal_monolithic(impl, chunk):
     prefixes, trees = CHUNKS[chunk]
     batch = make_batch(prefixes, trees, seed=chunk)
@@ -199,6 +218,7 @@ def test_merged_chunks_equal_monolithic(impl, chunk):
     assert_close(lse, reference_lse(batch), what=f"{impl} lse, chunk {chunk}")
 
 
+@needs_triton
 def test_fully_masked_chunk_gives_minus_inf_and_zero():
     """Chunks of 1 position over a tree: a row that cannot see that node gets s = -inf, v = 0."""
     batch = make_batch([3], [6], seed=5)
@@ -216,6 +236,7 @@ def test_fully_masked_chunk_gives_minus_inf_and_zero():
     assert_close(lse, reference_lse(batch), what="lse per-position")
 
 
+@needs_triton
 def test_merge_states_triton_matches_reference():
     g = torch.Generator().manual_seed(11)
     v = torch.randn(13, 5, 3, 24, generator=g)  # [T, C, H, D]
@@ -223,6 +244,7 @@ def test_merge_states_triton_matches_reference():
     s[0] = float("-inf")  # a row with no state at all
     s[1, 1:] = float("-inf")  # a row with one state
     s[torch.rand(13, 5, 3, generator=g) < 0.3] = float("-inf")
+    v, s = v.to(DEVICE), s.to(DEVICE)
     v_ref, s_ref = merge_states_ref(v, s)
     v_tri, s_tri = merge_states_triton(v, s)
     assert torch.all(v_tri[0] == 0) and torch.all(torch.isneginf(s_tri[0]))
@@ -254,7 +276,8 @@ def test_plan_chunks_covers_each_segment_in_balanced_chunks(kv_lens, chunk):
 def make_caches(dtype=torch.float32, seed=0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     shape = (3, 20, 2, 8)  # [L, num_slots, KVH, D]
-    return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
+    k, v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    return k.to(DEVICE, dtype), v.to(DEVICE, dtype)
 
 
 def accepted_path_moves(keep: list[int], base: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -264,7 +287,7 @@ def accepted_path_moves(keep: list[int], base: int, seed: int) -> tuple[torch.Te
     moves = [(base + r, base + i) for i, r in enumerate(keep) if r != i]
     src = slot_of[[m[0] for m in moves]]
     dst = slot_of[[m[1] for m in moves]]
-    return src, dst
+    return src.to(DEVICE), dst.to(DEVICE)
 
 
 COMPACT = {"torch": compact_kv_torch, "triton": compact_kv_triton}
@@ -272,7 +295,7 @@ COMPACT = {"torch": compact_kv_torch, "triton": compact_kv_triton}
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("keep", [[0, 2, 3], [0, 1, 4, 6, 7], [3]], ids=str)
-@pytest.mark.parametrize("impl", COMPACT.keys())
+@pytest.mark.parametrize("impl", impls(COMPACT))
 def test_compaction_matches_reference_and_gather(impl, keep, dtype):
     src, dst = accepted_path_moves(keep, base=5, seed=len(keep))
     k, v = make_caches(dtype)
@@ -286,9 +309,10 @@ def test_compaction_matches_reference_and_gather(impl, keep, dtype):
     assert torch.equal(k, k_gather) and torch.equal(v, v_gather)
 
 
+@needs_triton
 def test_compaction_triton_runs_pairs_in_order():
     """Pair 1 reads the slot pair 0 wrote: in-order semantics give slot 2 = old slot 1."""
-    src, dst = torch.tensor([1, 0, 5]), torch.tensor([0, 2, 1])
+    src, dst = torch.tensor([1, 0, 5], device=DEVICE), torch.tensor([0, 2, 1], device=DEVICE)
     k, v = make_caches(seed=1)
     k_ref, v_ref = k.clone(), v.clone()
     compact_kv_ref(k_ref, v_ref, src, dst)
@@ -304,7 +328,7 @@ def test_backend_on_cpu_is_torch(caplog):
         backend = select_attention_backend(torch.device("cpu"))
     assert backend.name == "torch"
     assert "attention backend: torch (cpu)" in caplog.text
-    batch = make_batch([17, 37], [5, 23], seed=9)
+    batch = make_batch([17, 37], [5, 23], seed=9, device="cpu")
     expected = tree_attention_ref(*batch.args())
     for _ in range(2):  # the second call reuses the first call's TreeBatch
         assert_close(backend.attend(*batch.args()), expected, what="torch backend")
@@ -325,16 +349,17 @@ def test_backend_triton_under_interpreter():
     assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
 
 
-@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (set by conftest.py)")
+@needs_triton
 def test_backend_triton_splits_long_prefixes():
-    """A segment longer than the chunk size takes the split-KV path; same result."""
+    """A segment longer than min_kv (and the chunk size) takes the split-KV path; same result."""
     from specmesh_kernels.backend import tree_attention_split
 
     batch = make_batch([300, 1, 37], [5, 1, 23], seed=12)
     expected = tree_attention_ref(*batch.args())
-    for chunk in (64, 1024):  # 64: decomposed (300 + 5 > 64); 1024: one tree-attention launch
-        assert_close(tree_attention_split(*batch.args(), chunk_size=chunk), expected,
-                     what=f"split chunk {chunk}")
+    # 64: decomposed (300 + 5 > 64); the defaults: one tree-attention launch (305 <= min_kv)
+    for kwargs in ({"chunk_size": 64, "min_kv": 64}, {}):
+        assert_close(tree_attention_split(*batch.args(), **kwargs), expected,
+                     what=f"split {kwargs}")
 
 
 def test_backend_rejects_bad_preferences(monkeypatch):
