@@ -77,7 +77,7 @@ def ablation(drafts: tuple[str, str], nodes: int) -> list[tuple[str, dict, dict]
     bandit = {**vote, "speculation.selection": "lbss"}
     adaptive = {**bandit, "speculation.tree_size": "adaptive"}
     full = {k: v for k, v in adaptive.items() if k not in NO_PIPELINE}
-    default = ({"drafters": [drafts[0]]}, {"speculation.source": "model"})
+    default = ({"drafters": [drafts[0]]}, {})  # speculation.source auto: what `up` serves
     return [("mesh-plain", {}, {"speculation.depth": 0}), ("fixed", *one), ("default", *default),
             ("+voting", many, vote),
             ("+bandit", many, bandit),

@@ -161,6 +161,8 @@ def cmd_models(args: argparse.Namespace) -> int:
             print(f"{source.name:22} {status:14} {source.title:30} {pkg}")
         print(f"\nconverted weights: {settings.cache_dir / 'models'}")
         return 0
+    from specmesh_services import stack
+
     setup_logging("INFO")
     for name in args.names or [settings.model]:
         try:
@@ -169,6 +171,7 @@ def cmd_models(args: argparse.Namespace) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 2
         print(f"{name}: {path}")
+        stack.prepare_datastore(settings.with_overrides(model=name))
     return 0
 
 
@@ -286,7 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("models", help="list or prepare models",
                        description="list: known models and whether their packages are installed. "
-                                   "prepare: convert GGUF weights once into the cache.")
+                                   "prepare: convert GGUF weights once into the cache, and build "
+                                   "the lookup datastore of a model that drafts with it "
+                                   "(speculation.source auto: SmolLM2; about a minute, once).")
     p.add_argument("action", choices=["list", "prepare"])
     p.add_argument("names", nargs="*", help="models to prepare [the default model]")
     add_setting_flags(p, "models")

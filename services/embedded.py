@@ -54,6 +54,7 @@ class EmbeddedMesh:
         new single-thread one): drafter and verifier take the cores in turn. Pass the thread
         other torch work of this process runs on: each thread that runs torch ops gets its own
         OpenMP team, and two teams on the same cores slow small ops down by up to 2x."""
+        settings = models.served(settings)
         owned = executor is None
         executor = executor or serving.compute_executor()
         loop = asyncio.get_running_loop()

@@ -80,8 +80,8 @@ class Stack:
 
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        prepare(self.settings)
-        settings = self.settings
+        settings = models.served(self.settings)  # every child serves the same resolved source
+        prepare(settings)
         if settings.redis_url is None:
             from specmesh_services.common.redis_server import RedisServer
 
@@ -156,12 +156,22 @@ class Stack:
 
 
 def prepare(settings: Settings) -> None:
-    """Converts the target and named drafts once, here, with a progress bar (not 2x in children),
-    and builds the default datastore when the datastore drafts and none was given or built."""
-    drafts = [DraftSpec.parse(s) for s in draft_specs(settings)]
-    names = [settings.model] + [d.base for d in drafts if d.layers is None]
+    """Converts the target and the drafts it serves with once, here, with a progress bar (not 2x
+    in children), and builds the default datastore where the datastore drafts."""
+    settings = models.served(settings)
+    names = [settings.model]
+    if settings.speculation.source != "datastore":
+        drafts = [DraftSpec.parse(s) for s in draft_specs(settings)]
+        names += [d.base for d in drafts if d.layers is None]
     for name in names:
         models.resolve(name, settings.cache_dir)
+    prepare_datastore(settings)
+
+
+def prepare_datastore(settings: Settings) -> None:
+    """Builds the default datastore of the target's tokenizer (ShareGPT, once) when the served
+    source uses the datastore and no datastore path was given."""
+    settings = models.served(settings)
     if settings.speculation.source != "model" and settings.datastore.path is None:
         from specmesh_services.datastore import build
 

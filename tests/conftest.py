@@ -46,10 +46,12 @@ MODEL = "smollm2-135m"
 
 @pytest.fixture(scope="session")
 def base_settings() -> Settings:
-    """Settings of the test meshes: the default model in float32, a tree drafted every step
-    (fixed size: the adaptive default may decode plainly where trees do not pay, and the lossless
-    tests are about trees; tests of the adaptive sizing ask for it)."""
-    return Settings(model=MODEL, dtype="float32", speculation={"tree_size": "fixed"})
+    """Settings of the test meshes: the default model in float32, a tree drafted by the draft
+    model every step (the model's own default source is the datastore; fixed size: the adaptive
+    default may decode plainly where trees do not pay, and the lossless tests are about trees;
+    tests of the adaptive sizing and of the datastore ask for them)."""
+    return Settings(model=MODEL, dtype="float32",
+                    speculation={"tree_size": "fixed", "source": "model"})
 
 
 @pytest.fixture(scope="session")

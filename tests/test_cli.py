@@ -58,7 +58,8 @@ def test_up_detach_generate_down(cli_env, tmp_path):
     up = run_cli(["up", "--detach", "--port", str(port)], cli_env)
     assert up.returncode == 0, up.stdout + up.stderr
     pids = stack_pids(tmp_path / "run")
-    assert len(pids) == 5  # supervisor + gateway, router, drafter, verifier
+    # supervisor + gateway, router, datastore (the default model drafts with it), verifier
+    assert len(pids) == 5
     try:
         gen = run_cli(["generate", "Hello, my name is", "--address", f"127.0.0.1:{port}",
                        "--max-tokens", "8", "--stream"], cli_env)

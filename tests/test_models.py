@@ -35,3 +35,23 @@ def test_truncated_draft_keeps_the_first_layers(target_path, hf_target):
 
 def test_eos_ids_include_the_generation_configs(target_path, tokenizer):
     assert tokenizer.eos_token_id in models.eos_token_ids(target_path, tokenizer)
+
+
+def test_auto_source_is_the_models_registry_default(tmp_path):
+    """speculation.source=auto drafts where the model's registry entry says (SmolLM2: the
+    datastore; the Qwen targets and local directories: the draft models); an explicit source
+    stays; the router refuses an unresolved auto."""
+    from specmesh_services.common.config import Settings
+    from specmesh_services.router.engine import Router, TargetInfo
+
+    settings = Settings()
+    assert settings.speculation.source == "auto"
+    assert models.served(settings).speculation.source == "datastore"
+    assert models.served(settings.with_overrides(model="qwen2.5-coder-1.5b")
+                         ).speculation.source == "model"
+    assert models.served(settings.with_overrides(model=str(tmp_path))).speculation.source == "model"
+    both = settings.with_overrides(**{"speculation.source": "both"})
+    assert models.served(both) is both
+    with pytest.raises(ValueError, match="resolve it for the model"):
+        Router(None, None, None, TargetInfo("t", 10, 100, (0,)), settings.speculation,
+               settings.router)

@@ -48,9 +48,11 @@ class SpeculationSettings(Section):
         0.6, ge=0, lt=1, description="draft models stop below the first level whose likeliest "
                                      "node they give less than this probability (HF assisted "
                                      "generation's confidence threshold; 0 = full depth)")
-    source: Literal["model", "datastore", "both"] = Field(
-        "model", description="who drafts: the draft model(s), the lookup datastore (SSSD), or "
-                             "both merged into one tree")
+    source: Literal["auto", "model", "datastore", "both"] = Field(
+        "auto", description="who drafts: the draft model(s), the lookup datastore (SSSD), or "
+                            "both merged into one tree; auto = the model's registry entry "
+                            "(SmolLM2: datastore, no draft model pays against it; the Qwen "
+                            "models: model; a local model directory: model)")
     max_nodes: int = Field(8, ge=1, le=256, description="node budget of a datastore tree (and of "
                                                          "a merged tree)")
     tree_size: Literal["fixed", "adaptive", "length"] = Field(

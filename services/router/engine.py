@@ -69,6 +69,9 @@ class Router:
         """`drafter_costs`: seconds of one drafting forward of one request per draft model
         name (the drafter's `DraftModelInfo.level_seconds`), the tree-size policy's estimate of
         a model's drafting cost until the router has timed its drafts."""
+        if speculation.source == "auto":
+            raise ValueError("speculation.source=auto: resolve it for the model first "
+                             "(models.served)")
         if speculation.source != "model" and speculation.depth > 0 and datastore is None:
             raise ValueError(f"speculation.source={speculation.source!r} needs a datastore service")
         self.pool = pool

@@ -38,6 +38,7 @@ async def check_datastore(datastore, tokenizer, timeout_s: float) -> None:
 async def start(settings: Settings):
     if not settings.redis_url:
         raise SystemExit("the router service needs the pool: set --redis-url / SPECMESH_REDIS_URL")
+    settings = models.served(settings)
     path = models.resolve(settings.model, settings.cache_dir)
     tokenizer = models.load_tokenizer(path)
     pool = pool_mod.connect(settings.redis_url, settings.pool_prefix)
