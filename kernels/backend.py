@@ -27,7 +27,7 @@ import torch
 
 from specmesh_kernels.compaction import compact_kv_torch
 from specmesh_kernels.metadata import TreeBatch
-from specmesh_kernels.tree_attention import tree_attention_torch
+from specmesh_kernels.tree_attention import tree_attention_exact, tree_attention_torch
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class AttentionBackend:
     """What the verifier calls: attend(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_slots,
     tree_mask, mask_indptr, scale, meta=None) -> o [T, H, D]; compact(k, v, src, dst)."""
 
-    name: str  # "torch" | "triton" | "flash-attn"
+    name: str  # "torch" | "torch-exact" | "triton" | "flash-attn"
     attend: Callable[..., torch.Tensor]
     compact: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
@@ -70,14 +70,17 @@ class PlannedAttend:
 
 # ---------------------------------------------------------------------------------------------
 # selection
-def select_attention_backend(device: torch.device | str, prefer: str = "auto"
-                             ) -> AttentionBackend:
+def select_attention_backend(device: torch.device | str, prefer: str = "auto",
+                             exact: bool = False) -> AttentionBackend:
     """The backend for `device` (see the module table); ValueError if `prefer` is unknown or
-    cannot run there. Logs the choice at INFO."""
+    cannot run there. `exact`: rows independent of the rows beside them (the torch backend's
+    float64 padded path, `tree_attention_exact`, on any device). Logs the choice at INFO."""
     device = torch.device(device)
     if prefer not in PREFERENCES:
         raise ValueError(f"unknown attention backend {prefer!r}; expected one of {PREFERENCES}")
-    name = _choose(device, prefer)
+    if exact and prefer not in ("auto", "torch"):
+        raise ValueError(f"exact verification runs on the torch attention backend, not {prefer}")
+    name = "torch-exact" if exact else _choose(device, prefer)
     log.info("attention backend: %s (%s)", name, device.type)
     return _build(name)
 
@@ -113,6 +116,8 @@ def _flash_attn_importable() -> bool:
 def _build(name: str) -> AttentionBackend:
     if name == "torch":
         return AttentionBackend(name, PlannedAttend(tree_attention_torch), compact_kv_torch)
+    if name == "torch-exact":
+        return AttentionBackend(name, PlannedAttend(tree_attention_exact), compact_kv_torch)
     from specmesh_kernels.compaction import compact_kv_triton
 
     attend = tree_attention_split if name == "triton" else tree_attention_flash

@@ -50,10 +50,18 @@ DENSE_ONE_ROW_MAX = 1 << 20
 
 class PackedLinear(nn.Module):
     """y = x W^T + b with W packed for oneDNN; the dense W is kept only for one-row calls of small
-    layers (`keep_dense`, default: weight elements <= DENSE_ONE_ROW_MAX), else dropped."""
+    layers (`keep_dense`, default: weight elements <= DENSE_ONE_ROW_MAX), else dropped.
 
-    def __init__(self, linear: nn.Linear, keep_dense: bool | None = None):
+    `row_stable`: a row's bits do not depend on how many rows share the call. oneDNN's one-row
+    path (a matrix-vector product) sums in another order than its multi-row kernel, whose rows
+    agree bit for bit (2..64 rows measured, docs/decisions/target-weights.md): a one-row call
+    runs as two rows, a zero row beside it, and the spare row is dropped. A target's layers
+    need it (plain decoding runs one row, a verify step a tree's rows); a draft's do not."""
+
+    def __init__(self, linear: nn.Linear, keep_dense: bool | None = None,
+                 row_stable: bool = False):
         super().__init__()
+        self.row_stable = row_stable
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         # an opaque oneDNN tensor: not a parameter (no autograd, not in the state dict)
@@ -63,21 +71,29 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", bias, persistent=False)
         self.weight_dtype = weight.dtype
         if keep_dense is None:
-            keep_dense = weight.numel() <= DENSE_ONE_ROW_MAX
+            keep_dense = weight.numel() <= DENSE_ONE_ROW_MAX and not row_stable
         self.register_buffer("dense", weight if keep_dense else None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.weight_dtype:
             raise TypeError(f"PackedLinear holds {self.weight_dtype} weights, got {x.dtype} input")
-        if self.dense is not None and x.numel() == self.in_features:  # one row: matrix-vector
-            return nn.functional.linear(x, self.dense, self.bias)
+        if x.numel() == self.in_features:  # one row
+            if self.dense is not None:  # matrix-vector
+                return nn.functional.linear(x, self.dense, self.bias)
+            if self.row_stable:
+                flat = x.reshape(1, self.in_features)
+                y = torch.ops.mkldnn._linear_pointwise(
+                    torch.cat([flat, flat.new_zeros(1, self.in_features)]), self.packed,
+                    self.bias, "none", [], "")[:1]
+                return y.view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias,
                                                   "none", [], "")
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, weight={self.weight_dtype} (oneDNN packed"
-                f"{', dense for one row' if self.dense is not None else ''})")
+                f"{', dense for one row' if self.dense is not None else ''}"
+                f"{', one-row calls as two' if self.row_stable else ''})")
 
 
 @functools.cache
@@ -168,7 +184,7 @@ def fp16_supports() -> str | None:
     return probe(Fp16Linear, 16, "x86 fp16-weight kernels")
 
 
-def pack_linears(model: nn.Module, backend: str = "auto") -> int:
+def pack_linears(model: nn.Module, backend: str = "auto", row_stable: bool = False) -> int:
     """Replaces every CPU nn.Linear of `model` by a PackedLinear (oneDNN) or an Fp16Linear
     (FBGEMM, bf16 weights); returns how many were replaced.
 
@@ -215,7 +231,8 @@ def pack_linears(model: nn.Module, backend: str = "auto") -> int:
     def build(module: nn.Linear) -> nn.Module:
         with torch.inference_mode(False), torch.no_grad():
             # Fp16Linear's weights were checked above
-            return layer(module) if layer is PackedLinear else layer(module, True)
+            return layer(module, row_stable=row_stable) if layer is PackedLinear \
+                else layer(module, True)
 
     # FBGEMM packs on one core and releases the GIL: a 1.5B model's 198 layers took 15 s in
     # turn; packed side by side on every core
@@ -531,10 +548,7 @@ class RowStableLinear(nn.Module):
     bytes (the product rounded to bf16, the bias added in float32).
 
     A target layer must give a row the same bits whatever rows share its call (plain decoding
-    runs one row, a verify step a tree's rows). oneDNN's one-row path (a matrix-vector product)
-    sums in another order than its multi-row kernel, whose rows agree bit for bit (2..64 rows
-    measured, docs/decisions/target-weights.md): a one-row call runs as two rows, a zero row
-    beside it, and the spare row is dropped."""
+    runs one row, a verify step a tree's rows): packed `row_stable` (PackedLinear)."""
 
     def __init__(self, linear: nn.Linear, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -542,7 +556,7 @@ class RowStableLinear(nn.Module):
         copy = nn.utils.skip_init(nn.Linear, self.in_features, self.out_features, bias=False,
                                   dtype=dtype)
         copy.weight.data = linear.weight.detach().to(dtype)
-        self.packed = PackedLinear(copy, keep_dense=False)
+        self.packed = PackedLinear(copy, keep_dense=False, row_stable=True)
         bias = linear.bias.detach().float() if linear.bias is not None else None
         self.register_buffer("bias", bias, persistent=False)
         self.weight_dtype = dtype
@@ -550,12 +564,7 @@ class RowStableLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
             raise TypeError(f"RowStableLinear takes float32 input, got {x.dtype}")
-        flat = x.reshape(-1, self.in_features).to(self.weight_dtype)
-        rows = flat.shape[0]
-        if rows == 1:
-            flat = torch.cat([flat, flat.new_zeros(1, self.in_features)])
-        y = self.packed(flat)
-        y = y[:1] if rows == 1 else y
+        y = self.packed(x.reshape(-1, self.in_features).to(self.weight_dtype))
         y = y.float() if self.bias is None else torch.add(self.bias, y)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 

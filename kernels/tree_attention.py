@@ -16,6 +16,8 @@ built once per forward.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -71,24 +73,34 @@ def tree_attention_ref(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_slots, tree
 # Segments with at most this many new rows go through `_padded_attention`. One: from 2 rows on
 # SDPA is as fast as the padded matmuls (docs/decisions/cpu-tree-attention.md).
 SMALL_SEGMENT_ROWS = 1
+# exact: plain decoding's one row and every verify tree (up to this many rows) take the padded
+# path in float64, prefill chunks SDPA (docs/decisions/cpu-tree-attention.md)
+EXACT_SEGMENT_ROWS = 64
 
 
 def tree_attention_torch(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_slots, tree_mask,
                          mask_indptr, scale: float, meta: TreeBatch | None = None,
-                         small_rows: int = SMALL_SEGMENT_ROWS) -> torch.Tensor:
+                         small_rows: int = SMALL_SEGMENT_ROWS, exact: bool = False
+                         ) -> torch.Tensor:
     """Same contract as `tree_attention_ref`. Segments of at most `small_rows` new rows (a
     plain decoding step: the root alone) all at once by `_padded_attention`; the others (trees,
     prefill chunks) by SDPA per segment in q's dtype (SDPA accumulates in float32 internally).
 
     Why not SDPA for all: torch's CPU flash kernel is built for blocks of query rows and is
     several times slower than two matmuls for one row, once per segment per layer
-    (docs/decisions/cpu-tree-attention.md)."""
+    (docs/decisions/cpu-tree-attention.md).
+
+    `exact`: the padded path in float64 for segments of up to EXACT_SEGMENT_ROWS rows, so that a
+    row's bits do not depend on the rows beside it (`_padded_attention`); `tree_attention_exact`."""
+    if exact:
+        small_rows = max(small_rows, EXACT_SEGMENT_ROWS)
     meta = meta or TreeBatch.build(qo_indptr, kv_indptr, kv_slots, tree_mask, mask_indptr)
     check_inputs(q, k_cache, v_cache, meta)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [T, H, D]
     padded = meta.padded(small_rows) if small_rows else None
     if padded is not None:
-        _padded_attention(q, k_cache, v_cache, padded, scale, out)
+        _padded_attention(q, k_cache, v_cache, padded, scale, out,
+                          torch.float64 if exact else torch.float32)
     done = set(padded.segments) if padded is not None else set()
     if len(done) == meta.num_segments:
         return out
@@ -113,27 +125,32 @@ def tree_attention_torch(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_slots, tr
 
 
 def _padded_attention(q, k_cache, v_cache, padded: PaddedSegments, scale: float,
-                      out: torch.Tensor) -> None:
-    """Short segments as one padded batch: scores and output by two batched matmuls in float32
-    (scores, softmax and the weighted sum all in float32: at least SDPA's precision, which
-    rounds the probabilities to q's dtype before the second product). Writes their rows of
-    `out`."""
+                      out: torch.Tensor, acc: torch.dtype = torch.float32) -> None:
+    """Short segments as one padded batch: scores and output by two batched matmuls, scores,
+    softmax and the weighted sum in `acc` (float32: at least SDPA's precision, which rounds the
+    probabilities to q's dtype before the second product). Writes their rows of `out`.
+
+    float64 makes a row's output independent of the rows, segments and padding beside it:
+    BLAS picks its kernels and summation order by the products' shapes, so in float32 a row's
+    bits change with the rows beside it, the padding after its positions and the masked
+    positions between them; in float64 those differences are ~1e-16 relative and vanish in the
+    final rounding (docs/decisions/cpu-tree-attention.md)."""
     p, n = padded.rows.shape
     kvh, d = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // kvh
     # [P, N, H, D] -> [P, KVH, G * N, D]: query head h = kvh * G + g reads KV head kvh
     if padded.one_row:  # plain decoding steps: the same layout without the copies
-        qs = q[padded.rows[:, 0]].view(p, kvh, group, d).float()
+        qs = q[padded.rows[:, 0]].view(p, kvh, group, d).to(acc)
     else:
         qs = q[padded.rows].view(p, n, kvh, group, d).permute(0, 2, 3, 1, 4)
-        qs = qs.reshape(p, kvh, group * n, d).float()
+        qs = qs.reshape(p, kvh, group * n, d).to(acc)
     # K/V gathered once as [P, K, KVH, D] (index_select: advanced indexing costs ~3x) and read
     # per KV head through strided views that BLAS takes as they are: a matmul over one permuted
     # [P, KVH, K, D] copies both operands first (docs/decisions/cpu-tree-attention.md)
     k_max = padded.slots.shape[1]
     flat = padded.slots.view(-1)
-    k = k_cache.index_select(0, flat).view(p, k_max, kvh, d).float()
-    v = v_cache.index_select(0, flat).view(p, k_max, kvh, d).float()
+    k = k_cache.index_select(0, flat).view(p, k_max, kvh, d).to(acc)
+    v = v_cache.index_select(0, flat).view(p, k_max, kvh, d).to(acc)
     scores = torch.stack([torch.bmm(qs[:, h], k[:, :, h].transpose(1, 2)) for h in range(kvh)],
                          dim=1).mul_(scale)  # [P, KVH, G * N, K]
     if not padded.all_visible:
@@ -147,6 +164,10 @@ def _padded_attention(q, k_cache, v_cache, padded: PaddedSegments, scale: float,
         return
     o = o.view(p, kvh, group, n, d).permute(0, 3, 1, 2, 4).reshape(p * n, kvh * group, d)
     out[padded.out_rows] = o[padded.out_index].to(out.dtype)  # [P * N, H, D], real rows
+
+
+# rows independent of the rows beside them (the verifier's `exact` mode)
+tree_attention_exact = functools.partial(tree_attention_torch, exact=True)
 
 
 # ---------------------------------------------------------------------------------------------

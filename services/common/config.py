@@ -117,6 +117,13 @@ class VerifierSettings(Section):
     kv_block_size: int = Field(16, ge=1, description="KV allocation unit (rows)")
     attention: Literal["auto", "torch", "triton", "flash-attn"] = Field(
         "auto", description="attention backend: auto = flash-attn/Triton on CUDA, torch on CPU")
+    exact: bool = Field(False, description="compute every row of a verify pass independently "
+                        "of the rows beside it: speculative output bit-identical to plain "
+                        "decoding of the served target in every dtype (one-row linear calls as "
+                        "two, attention of plain steps and trees in float64 on the torch "
+                        "backend; slower: docs/decisions/cpu-tree-attention.md). Off: in bf16 "
+                        "and native int4 an output can differ from plain decoding at near-tied "
+                        "logits")
     metrics_port: int | None = Field(None, ge=0, description="serve Prometheus metrics here")
     claim_idle_s: float = Field(30.0, gt=0, description="re-claim drafts unacknowledged this long")
     batch_wait_s: float | None = Field(

@@ -259,13 +259,14 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 def load_model(path: Path, dtype: torch.dtype, num_layers: int | None = None,
-               linear: str = "auto", weights: str = "float"):
+               linear: str = "auto", weights: str = "float", row_stable: bool = False):
     """Loads a causal LM for inference; `num_layers` keeps only its first layers (plus the final
     norm and LM head): the layer-truncated draft of a target. `linear` picks the kernels of its
     linear layers (kernels/linear.py: "auto" packs them for oneDNN where the CPU runs the dtype,
     "torch" keeps transformers' own). `weights="native"` (float32 only) serves the layers the
     GGUF stored as 4-bit blocks (Q4_0 / Q4_1 / Q4_K) through the int4 kernel, codes unchanged,
-    and its other linear layers in bf16 where oneDNN runs it (`native_int4`)."""
+    and its other linear layers in bf16 where oneDNN runs it (`native_int4`); `row_stable`: a
+    target's layers, whose rows must not depend on the rows beside them (`convert_linears`)."""
     if weights not in ("float", "native"):
         raise ValueError(f"unknown weights '{weights}' (expected float or native)")
     if weights == "native" and dtype != torch.float32:
@@ -292,19 +293,21 @@ def load_model(path: Path, dtype: torch.dtype, num_layers: int | None = None,
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
     model.eval()
-    convert_linears(model, linear, weights)
+    convert_linears(model, linear, weights, row_stable)
     return model
 
 
-def convert_linears(module, linear: str = "auto", weights: str = "float") -> None:
+def convert_linears(module, linear: str = "auto", weights: str = "float",
+                    row_stable: bool = False) -> None:
     """A loaded model's (or a lean decoder's fused) torch linears converted to the kernels they
     are served with: the native 4-bit layers to int4 (`weights="native"`), then the rest packed
-    for `linear` (kernels/linear.py)."""
+    for `linear` (kernels/linear.py), `row_stable` for a target (a row's bits independent of the
+    rows beside it)."""
     from specmesh_kernels.linear import native_int4, pack_linears
 
     if weights == "native":
         native_int4(module)
-    pack_linears(module, linear)
+    pack_linears(module, linear, row_stable)
 
 
 def context_length(config) -> int:

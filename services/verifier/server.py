@@ -56,22 +56,24 @@ def load_target(settings: Settings) -> CausalLM | LeanDecoder:
     forward (`target_runner`); the output is lossless relative to these weights."""
     path = models.resolve(settings.model, settings.cache_dir)
     weights = served_weights(settings, path)
+    exact = settings.verifier.exact  # a row's bits independent of the rows beside it
     dtype = torch.float32 if weights == "native" else models.resolve_dtype(settings.dtype)
     runner = settings.target_runner
     if runner == "transformers":
-        lm = CausalLM(models.load_model(path, dtype, linear=settings.linear, weights=weights),
-                      settings.model)
+        lm = CausalLM(models.load_model(path, dtype, linear=settings.linear, weights=weights,
+                                        row_stable=exact), settings.model)
     else:
         model = models.load_model(path, dtype, linear="torch")
         reason = lean_supports(model)
         if reason is not None:
             if runner == "lean":
                 raise ValueError(f"target_runner=lean: {reason}")
-            models.convert_linears(model, settings.linear, weights)
+            models.convert_linears(model, settings.linear, weights, row_stable=exact)
             lm = CausalLM(model, settings.model)
         else:
             lm = LeanDecoder(model, settings.model,
-                             prepare=lambda m: models.convert_linears(m, settings.linear, weights),
+                             prepare=lambda m: models.convert_linears(m, settings.linear, weights,
+                                                                      row_stable=exact),
                              fuse_key=native_key if weights == "native" else None)
             del model
     log.info("target %s: %d layers, %s, %s weights, %s forward", settings.model, lm.num_layers,
@@ -84,7 +86,7 @@ def build_engine(target: CausalLM | LeanDecoder, settings: Settings, name: str) 
     v = settings.verifier
     limits = EngineLimits(kv_budget_tokens=v.kv_budget_tokens, block_size=v.kv_block_size,
                           max_batch_tokens=v.max_batch_tokens, max_batch_trees=v.batch_size)
-    backend = select_attention_backend(target.device, v.attention)
+    backend = select_attention_backend(target.device, v.attention, v.exact)
     engine = VerifierEngine(target, name, limits, backend)
     log.info("verifier %s: KV budget %d rows (%.0f MiB), batch %d trees / %d rows, attention %s",
              name, engine.store.capacity,
