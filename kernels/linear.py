@@ -77,15 +77,12 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.weight_dtype:
             raise TypeError(f"PackedLinear holds {self.weight_dtype} weights, got {x.dtype} input")
-        if x.numel() == self.in_features:  # one row
-            if self.dense is not None:  # matrix-vector
-                return nn.functional.linear(x, self.dense, self.bias)
-            if self.row_stable:
-                flat = x.reshape(1, self.in_features)
-                y = torch.ops.mkldnn._linear_pointwise(
-                    torch.cat([flat, flat.new_zeros(1, self.in_features)]), self.packed,
-                    self.bias, "none", [], "")[:1]
-                return y.view(*x.shape[:-1], self.out_features)
+        one_row = x.numel() == self.in_features
+        if one_row and self.dense is not None:  # matrix-vector
+            return nn.functional.linear(x, self.dense, self.bias)
+        if one_row and self.row_stable:  # as two rows, the spare one dropped
+            two = torch.cat([x.reshape(1, self.in_features), x.new_zeros(1, self.in_features)])
+            return self.forward(two)[:1].view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias,
                                                   "none", [], "")
 
