@@ -33,7 +33,7 @@ from bench.run import save_report
 from specmesh_services.common import models
 from specmesh_services.common.config import Settings
 from specmesh_services.common.prompts import chat_ids, mtbench_questions
-from specmesh_kernels.linear import (PackedLinear, RowStableLinear, fp16_supports,
+from specmesh_kernels.linear import (Fp16Linear, PackedLinear, RowStableLinear, fp16_supports,
                                      int4_lattice, int4_supports, native_int4, onednn_supports,
                                      quantize_linears)
 
@@ -131,11 +131,18 @@ def layer_forms(linear: nn.Linear) -> dict[str, nn.Module]:
     def bf16_torch(x, w=linear.weight.detach().bfloat16()):
         return nn.functional.linear(x.bfloat16(), w).float()
 
-    return {"float32 torch": linear, "float32 oneDNN": PackedLinear(linear, keep_dense=False),
-            "bf16 torch": bf16_torch,
-            "bf16 oneDNN": RowStableLinear(linear, torch.bfloat16).packed,
-            "float32 RowStable": RowStableLinear(linear, torch.float32),
-            "bf16 RowStable": RowStableLinear(linear, torch.bfloat16)}
+    stable = RowStableLinear(linear, torch.bfloat16)  # oneDNN, or FBGEMM fp16 (AVX2)
+    forms = {"float32 torch": linear, "float32 oneDNN": PackedLinear(linear, keep_dense=False),
+             "bf16 torch": bf16_torch}
+    if isinstance(stable.packed, PackedLinear):
+        forms["bf16 oneDNN"] = stable.packed
+    else:
+        copy = nn.Linear(linear.in_features, linear.out_features, bias=False)
+        copy.weight.data = linear.weight.detach().bfloat16()
+        forms["bf16 as fp16, FBGEMM"] = Fp16Linear(copy)
+        forms["bf16 as fp16, FBGEMM, rows padded"] = stable.packed
+    return {**forms, "float32 RowStable": RowStableLinear(linear, torch.float32),
+            "bf16 RowStable": stable}
 
 
 def row_invariant(layer, features: int, most: int = 64) -> bool:

@@ -125,13 +125,19 @@ class Fp16Linear(nn.Module):
     (an absolute error below 6e-8, far under the bf16 rounding of the output); weights beyond
     float16's range raise (`fp16_weight_error` says so before a model is converted)."""
 
-    def __init__(self, linear: nn.Linear, checked: bool = False):
+    def __init__(self, linear: nn.Linear, checked: bool = False, row_stable: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         reason = None if checked else fp16_weight_error(weight)  # checked: by the caller
         if reason is not None:
             raise ValueError(reason)
+        self.pad: tuple[int, ...] | None = None
+        if row_stable:
+            blocks = fp16_row_blocks()
+            if blocks is None:
+                raise RuntimeError("FBGEMM's fp16 rows depend on the call's rows on this CPU")
+            self.pad = blocks
         self.weight_dtype = weight.dtype
         bias = linear.bias.detach().float() if linear.bias is not None else None
         # an opaque FBGEMM object: not a parameter, not in the state dict
@@ -140,13 +146,53 @@ class Fp16Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float().contiguous()
+        rows = flat.shape[0]
+        extra = self.pad[rows % len(self.pad)] if self.pad is not None else 0
+        if extra:  # zero rows after the last block's, dropped below (`fp16_row_blocks`)
+            flat = torch.cat([flat, flat.new_zeros(extra, self.in_features)])
         y = torch.ops.quantized.linear_dynamic_fp16(flat, self.packed)
+        if extra:
+            y = y[:rows]
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.has_bias}, weight={self.weight_dtype} as float16 (FBGEMM, float32 "
-                f"products)")
+                f"products{', rows padded to a stable block' if self.pad is not None else ''})")
+
+
+FP16_BLOCK_CANDIDATES = (6, 14)  # FBGEMM's fp16 row blocks: 6 on AVX2, 14 on AVX512
+
+
+@functools.cache
+def fp16_row_blocks() -> tuple[int, ...] | None:
+    """Zero rows to add to a call of n rows so that FBGEMM's fp16 GEMM gives every row the bits
+    it gets in any other call: `pad[n % block]`. FBGEMM runs the rows in blocks of `block` and a
+    last block of r rows through an r-row kernel; some of those (1 and 2 rows on AVX2) sum in
+    another order than the full block (docs/decisions/target-weights.md). Probed once on a small
+    layer: per remainder, the fewest extra rows that give the full block's bits; None where no
+    candidate block passes (the caller then keeps oneDNN float32)."""
+    if fp16_supports() is not None:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    linear = nn.Linear(256, 64, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(64, 256, generator=gen).bfloat16().float())
+    packed = torch.ops.quantized.linear_prepack_fp16(linear.weight.detach(), None)
+    for block in FP16_BLOCK_CANDIDATES:
+        x = torch.randn(5 * block, 256, generator=gen)
+        ref = torch.ops.quantized.linear_dynamic_fp16(x, packed)  # full blocks only
+
+        def rows(n: int, extra: int) -> torch.Tensor:
+            padded = torch.cat([x[:n], x.new_zeros(extra, 256)]) if extra else x[:n]
+            return torch.ops.quantized.linear_dynamic_fp16(padded, packed)[:n]
+
+        good = [r for r in range(1, block) if torch.equal(rows(r, 0), ref[:r])]
+        pad = tuple(0 if r == 0 else min([g for g in good if g >= r] + [block]) - r
+                    for r in range(block))
+        if all(torch.equal(rows(n, pad[n % block]), ref[:n]) for n in range(1, 3 * block + 3)):
+            return pad
+    return None
 
 
 FP16_MAX = 65504.0
@@ -205,6 +251,8 @@ def pack_linears(model: nn.Module, backend: str = "auto", row_stable: bool = Fal
     def fp16_reason() -> str | None:
         if dtype != torch.bfloat16:
             return f"fp16 holds bf16 weights, the model is {dtype}"
+        if row_stable and fp16_supports() is None and fp16_row_blocks() is None:
+            return "FBGEMM's fp16 rows depend on the call's rows here"
         return fp16_supports() or next((f"{name}: {why}" for name, m in linears
                                         if (why := fp16_weight_error(m.weight)) is not None),
                                        None)
@@ -229,7 +277,7 @@ def pack_linears(model: nn.Module, backend: str = "auto", row_stable: bool = Fal
         with torch.inference_mode(False), torch.no_grad():
             # Fp16Linear's weights were checked above
             return layer(module, row_stable=row_stable) if layer is PackedLinear \
-                else layer(module, True)
+                else layer(module, True, row_stable=row_stable)
 
     # FBGEMM packs on one core and releases the GIL: a 1.5B model's 198 layers took 15 s in
     # turn; packed side by side on every core
@@ -401,10 +449,12 @@ class Int4Linear(nn.Module):
     where it runs bf16, else as an Fp16Linear (AVX2 CPUs); more memory (2 bytes per weight
     besides the 4-bit codes), the prefill at the speed of those kernels. A draft's guesses need
     not be exact, so its prompt rows may come from bf16 weights and its drafted ones from int4.
-    `dense_rows=None`: int4 for every call."""
+    `dense_rows=None`: int4 for every call; `prefill_dense` then still keeps the bf16 copy for
+    `prefill` calls (a native target's prompt rows, module docstring)."""
 
     def __init__(self, linear: nn.Linear, group_size: int = INT4_GROUP,
-                 dense_rows: int | None = INT4_DENSE_ROWS, codes: Int4Codes | None = None):
+                 dense_rows: int | None = INT4_DENSE_ROWS, codes: Int4Codes | None = None,
+                 prefill_dense: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         if self.in_features % group_size:
@@ -430,7 +480,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", bias, persistent=False)
         self.group_size = group_size
         self.dense = None  # a bf16 or fp16 copy for calls of >= dense_rows rows
-        if dense_rows is not None:
+        if dense_rows is not None or prefill_dense:
             copy = nn.utils.skip_init(nn.Linear, self.in_features, self.out_features, bias=False,
                                       dtype=torch.bfloat16)  # skip_init: no random init to undo
             copy.weight.data = linear.weight.detach().to(torch.bfloat16)
@@ -444,7 +494,8 @@ class Int4Linear(nn.Module):
         if x.dtype != torch.float32:
             raise TypeError(f"Int4Linear takes float32 input, got {x.dtype}")
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
-        if self.dense is not None and flat.shape[0] >= self.dense_rows:
+        if self.dense_rows is not None and self.dense is not None \
+                and flat.shape[0] >= self.dense_rows:
             y = self.dense(flat)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size,
@@ -455,11 +506,22 @@ class Int4Linear(nn.Module):
         y = y.float() if self.bias is None else torch.add(self.bias, y)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
+    def prefill(self, x: torch.Tensor) -> torch.Tensor:
+        """Prompt rows: through the dense copy where the layer keeps one (many rows at the
+        speed of the dense kernels), else as `forward`."""
+        if self.dense is None:
+            return self.forward(x)
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+        y = self.dense(flat)
+        y = y.float() if self.bias is None else torch.add(self.bias, y)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+
     def extra_repr(self) -> str:
         dense = ""
         if self.dense is not None:
             kind = "bf16" if isinstance(self.dense, PackedLinear) else "fp16"
-            dense = f", {kind} for >= {self.dense_rows} rows"
+            dense = (f", {kind} for >= {self.dense_rows} rows" if self.dense_rows is not None
+                     else f", {kind} for prefill")
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, weight=int4 in groups of {self.group_size}{dense}")
 
@@ -540,12 +602,15 @@ def exact_int4(weight: torch.Tensor, group_size: int = INT4_GROUP) -> bool:
 
 
 class RowStableLinear(nn.Module):
-    """y = x W^T + b with W in `dtype` packed for oneDNN, float32 input and output: a target's
-    layers that are not 4-bit. float32 keeps the weights as stored; bfloat16 reads half the
-    bytes (the product rounded to bf16, the bias added in float32).
+    """y = x W^T + b with W in `dtype`, float32 input and output: a target's layers that are
+    not 4-bit. float32 keeps the weights as stored; bfloat16 reads half the bytes (inputs and
+    product rounded to bf16, the bias added in float32).
 
     A target layer must give a row the same bits whatever rows share its call (plain decoding
-    runs one row, a verify step a tree's rows): packed `row_stable` (PackedLinear)."""
+    runs one row, a verify step a tree's rows): packed `row_stable` for oneDNN (PackedLinear),
+    or, for bf16 on CPUs where oneDNN has no bf16 (AVX2), FBGEMM's fp16-weight GEMM with its
+    rows padded to a stable block (Fp16Linear: the bf16 weights are float16 values, the bf16
+    inputs' products exact in float32, as in oneDNN's bf16 product up to the order of the sum)."""
 
     def __init__(self, linear: nn.Linear, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -553,7 +618,10 @@ class RowStableLinear(nn.Module):
         copy = nn.utils.skip_init(nn.Linear, self.in_features, self.out_features, bias=False,
                                   dtype=dtype)
         copy.weight.data = linear.weight.detach().to(dtype)
-        self.packed = PackedLinear(copy, keep_dense=False, row_stable=True)
+        if dtype == torch.bfloat16 and onednn_supports(dtype) is not None:
+            self.packed = Fp16Linear(copy, row_stable=True)
+        else:
+            self.packed = PackedLinear(copy, keep_dense=False, row_stable=True)
         bias = linear.bias.detach().float() if linear.bias is not None else None
         self.register_buffer("bias", bias, persistent=False)
         self.weight_dtype = dtype
@@ -566,32 +634,46 @@ class RowStableLinear(nn.Module):
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
+        how = ("FBGEMM float16, rows padded" if isinstance(self.packed, Fp16Linear)
+               else "oneDNN packed, one-row calls as two")
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, weight={self.weight_dtype} (oneDNN packed, "
-                f"one-row calls as two)")
+                f"bias={self.bias is not None}, weight={self.weight_dtype} ({how})")
+
+
+def row_stable_supports(dtype: torch.dtype) -> str | None:
+    """None when RowStableLinear runs `dtype` weights here, else the reason."""
+    reason = onednn_supports(dtype)
+    if reason is None or dtype != torch.bfloat16:
+        return reason
+    if fp16_supports() is not None or fp16_row_blocks() is None:
+        return f"{reason}; fp16: {fp16_supports() or 'rows depend on the call size'}"
+    return None
 
 
 def native_rest() -> torch.dtype:
-    """How a native target holds its layers that are not 4-bit: bf16 where oneDNN runs it
-    (half the bytes of float32; docs/decisions/target-weights.md), else float32."""
-    return torch.bfloat16 if onednn_supports(torch.bfloat16) is None else torch.float32
+    """How a native target holds its layers that are not 4-bit: bf16 where oneDNN or FBGEMM's
+    fp16 GEMM runs it row-stably (half the bytes of float32; docs/decisions/target-weights.md),
+    else float32."""
+    return torch.bfloat16 if row_stable_supports(torch.bfloat16) is None else torch.float32
 
 
 def native_supports() -> str | None:
-    """None when a native target runs here (the int4 kernel, oneDNN for its other layers), else
-    the reason."""
-    return int4_supports() or onednn_supports(native_rest())
+    """None when a native target runs here (the int4 kernel, oneDNN or FBGEMM for its other
+    layers), else the reason."""
+    return int4_supports() or row_stable_supports(native_rest())
 
 
-def native_int4(model: nn.Module, rest: torch.dtype | None = None) -> tuple[int, int]:
+def native_int4(model: nn.Module, rest: torch.dtype | None = None,
+                prefill_dense: bool = True) -> tuple[int, int]:
     """Serves a float32 CPU model's linear layers in the 4-bit form they were stored in: every
     nn.Linear whose weights are 4-bit lattice groups (`int4_lattice`) becomes an Int4Linear with
     those codes that runs every call through the int4 kernel; the others (GGUF Q6_K, Q8_0...)
     become RowStableLinear layers holding `rest` weights (None: `native_rest()`). Both give a
-    row the same result whatever the call's rows, as a target needs. Returns (int4 layers,
-    other layers)."""
+    row the same result whatever the call's rows, as a target needs. `prefill_dense`: the int4
+    layers also keep a bf16 copy for prompt rows (`Int4Linear.prefill`; the lean forward uses
+    it). Returns (int4 layers, other layers)."""
     rest = native_rest() if rest is None else rest
-    reason = int4_supports() or onednn_supports(rest)
+    reason = int4_supports() or row_stable_supports(rest)
     if reason is not None:
         raise RuntimeError(f"native weights cannot run here: {reason}")
     linears = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
@@ -603,7 +685,8 @@ def native_int4(model: nn.Module, rest: torch.dtype | None = None) -> tuple[int,
             codes = int4_lattice(module.weight)
             if codes is not None:
                 int4 += 1
-                layer = Int4Linear(module, dense_rows=None, codes=codes)
+                layer = Int4Linear(module, dense_rows=None, codes=codes,
+                                   prefill_dense=prefill_dense)
             else:
                 layer = RowStableLinear(module, rest)
             parent_name, _, child = name.rpartition(".")

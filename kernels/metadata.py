@@ -87,6 +87,23 @@ class TreeBatch:
         mask[:, prefix:] = block
         return mask
 
+    def kv_start(self, s: int) -> int | None:
+        """The first slot of segment s when its positions lie in consecutive slots (a lone
+        request's blocks usually do), else None: attention then reads K/V as a slice of the
+        cache, a view with the strides of a gathered copy (the same products, no copy)."""
+        if "starts" not in self._cache:
+            self._cache["starts"] = [self._kv_start(t) for t in range(self.num_segments)]
+        return self._cache["starts"][s]
+
+    def _kv_start(self, s: int) -> int | None:
+        own = self.kv_slots[self.kv[s]:self.kv[s + 1]]
+        if own.numel() == 0 or own.device.type != "cpu":
+            return None
+        first = int(own[0])
+        if own.numel() > 1 and not bool((own.diff() == 1).all()):
+            return None
+        return first
+
     def padded(self, max_rows: int) -> "PaddedSegments | None":
         """The segments with 1 .. `max_rows` new rows as one padded batch (built once per
         forward), or None if there are none."""
@@ -131,6 +148,7 @@ class PaddedSegments:
     out_index: torch.Tensor
     one_row: bool = False  # every segment has one new row: no row padding to undo
     all_visible: bool = False  # and the same positions: no masking at all
+    kv_start: int | None = None  # one segment in consecutive slots from here: K/V sliced
 
     @staticmethod
     def build(meta: TreeBatch, max_rows: int) -> "PaddedSegments | None":
@@ -160,4 +178,5 @@ class PaddedSegments:
         return PaddedSegments(picked, slots, rows, visible,
                               torch.tensor(out_rows, device=device),
                               torch.tensor(out_index, device=device), one_row,
-                              one_row and all(meta.kv_len(s) == k_max for s in picked))
+                              one_row and all(meta.kv_len(s) == k_max for s in picked),
+                              meta.kv_start(picked[0]) if len(picked) == 1 else None)

@@ -105,12 +105,19 @@ def tree_attention_torch(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_slots, tr
     if len(done) == meta.num_segments:
         return out
     gqa = q.shape[1] != k_cache.shape[1]
-    k_all = k_cache.index_select(0, meta.kv_slots)  # [sum kv_len, KVH, D]
-    v_all = v_cache.index_select(0, meta.kv_slots)  # [sum kv_len, KVH, D]
+    gathered: list[torch.Tensor] = []  # K and V of every segment's slots, gathered once
     for s, mask in enumerate(meta.sdpa_masks()):
         a, b, c, d = meta.qo[s], meta.qo[s + 1], meta.kv[s], meta.kv[s + 1]
         if a == b or s in done:
             continue
+        start = meta.kv_start(s)
+        if start is not None:  # consecutive slots: a view of the cache
+            k_all, v_all, c, d = k_cache, v_cache, start, start + d - c
+        else:
+            if not gathered:
+                gathered += [k_cache.index_select(0, meta.kv_slots),  # [sum kv_len, KVH, D]
+                             v_cache.index_select(0, meta.kv_slots)]
+            k_all, v_all = gathered
         # one row sees its whole KV (prefix + itself): no mask at all, SDPA's cheapest path
         causal = mask is None and b - a > 1
         if b - a == 1:
@@ -148,17 +155,27 @@ def _padded_attention(q, k_cache, v_cache, padded: PaddedSegments, scale: float,
     # per KV head through strided views that BLAS takes as they are: a matmul over one permuted
     # [P, KVH, K, D] copies both operands first (docs/decisions/cpu-tree-attention.md)
     k_max = padded.slots.shape[1]
-    flat = padded.slots.view(-1)
-    k = k_cache.index_select(0, flat).view(p, k_max, kvh, d).to(acc)
-    v = v_cache.index_select(0, flat).view(p, k_max, kvh, d).to(acc)
-    scores = torch.stack([torch.bmm(qs[:, h], k[:, :, h].transpose(1, 2)) for h in range(kvh)],
-                         dim=1).mul_(scale)  # [P, KVH, G * N, K]
+    if padded.kv_start is not None:  # one segment in consecutive slots: views, no copies
+        k = k_cache[padded.kv_start:padded.kv_start + k_max].view(p, k_max, kvh, d).to(acc)
+        v = v_cache[padded.kv_start:padded.kv_start + k_max].view(p, k_max, kvh, d).to(acc)
+    else:
+        flat = padded.slots.view(-1)
+        k = k_cache.index_select(0, flat).view(p, k_max, kvh, d).to(acc)
+        v = v_cache.index_select(0, flat).view(p, k_max, kvh, d).to(acc)
+    if p == 1:  # one segment: a batch over the KV heads, the same strided views per head
+        scores = torch.bmm(qs[0], k[0].permute(1, 2, 0))[None].mul_(scale)
+    else:
+        scores = torch.stack([torch.bmm(qs[:, h], k[:, :, h].transpose(1, 2))
+                              for h in range(kvh)], dim=1).mul_(scale)  # [P, KVH, G * N, K]
     if not padded.all_visible:
         scores = scores.view(p, kvh, group, n, -1).masked_fill_(
             ~padded.visible[:, None, None], float("-inf"))
     probs = torch.softmax(scores.view(p, kvh, group * n, -1), dim=-1)
-    o = torch.stack([torch.bmm(probs[:, h], v[:, :, h]) for h in range(kvh)],
-                    dim=1)  # [P, KVH, G * N, D]
+    if p == 1:
+        o = torch.bmm(probs[0], v[0].transpose(0, 1))[None]
+    else:
+        o = torch.stack([torch.bmm(probs[:, h], v[:, :, h]) for h in range(kvh)],
+                        dim=1)  # [P, KVH, G * N, D]
     if padded.one_row:
         out[padded.out_rows] = o.view(p, kvh * group, d).to(out.dtype)
         return

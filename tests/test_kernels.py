@@ -149,6 +149,26 @@ def test_tree_attention_matches_reference(impl, case, heads):
     assert_close(ATTENTION[impl](*batch.args()), expected, what=impl)
 
 
+@pytest.mark.parametrize("impl", ["torch", "torch-padded", "torch-exact"])
+@pytest.mark.parametrize("case", [([300], [1]), ([37], [23]), ([0], [40]), ([17, 3], [1, 5])],
+                         ids=["decode", "tree", "prefill", "two"])
+def test_consecutive_slots_read_as_views_give_the_gathered_bits(impl, case):
+    """A segment whose positions lie in consecutive slots (a lone request's blocks) reads K/V as
+    a slice of the cache (`TreeBatch.kv_start`); the same rows at shuffled slots are gathered
+    first. Both are the same products: bit for bit the same output."""
+    batch = make_batch(*case, seed=5).to("cpu")
+    # the same K/V rows at slots 0 .. n - 1 in position order
+    sequential = Batch(batch.q, batch.k_cache[batch.kv_slots], batch.v_cache[batch.kv_slots],
+                       batch.qo_indptr, batch.kv_indptr, torch.arange(batch.kv_slots.numel()),
+                       batch.tree_mask, batch.mask_indptr, batch.scale)
+    meta = TreeBatch.build(*sequential.args()[3:8])
+    assert [meta.kv_start(s) for s in range(meta.num_segments)] == list(meta.kv[:-1])
+    assert TreeBatch.build(*batch.args()[3:8]).kv_start(0) is None
+    attention = {**ATTENTION, "torch-exact": functools.partial(tree_attention_torch,
+                                                               exact=True)}[impl]
+    assert torch.equal(attention(*sequential.args()), attention(*batch.args()))
+
+
 @needs_triton
 def test_triton_irregular_head_dim_and_meta_reuse():
     """D = 24 (not a power of two) and one TreeBatch shared by two calls (two 'layers')."""

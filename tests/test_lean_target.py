@@ -84,7 +84,47 @@ def test_lean_native_logits_equal_transformers_native(base_settings, chat_prompt
     assert isinstance(reference, CausalLM)
     fused = [m for m in lean.linears.values() if isinstance(m, Int4Linear)]
     assert len(fused) == 4 * lean.num_layers  # q/k/v, o, gate/up, down: all Q4_1, all int4
+    # the loop against transformers' with the same products for every row (prompt rows take
+    # the dense copy when served: the next test)
+    lean.prefill_layers = None
     assert_same_logits(lean, reference, chat_prompt_ids(2), NATIVE_ATOL)
+
+
+@pytest.mark.skipif(int4_supports() is not None, reason=str(int4_supports()))
+def test_native_prompt_rows_take_the_dense_copy_alone_or_beside_a_tree(base_settings,
+                                                                        chat_prompt_ids):
+    """A native target's prompt rows go through the int4 layers' dense copy (`prefill`), tree
+    rows through the int4 kernel, whether the prompt is prefilled in a forward of its own or
+    beside the tree: the tree's logits agree to float rounding of attention either way, and
+    differ by the int4 kernel's rounding when the prompt takes the int4 kernel too."""
+    lean_target = load_target(base_settings.with_overrides(target_weights="native"))
+    assert lean_target.prefill_layers is not None
+    prompt = chat_prompt_ids(3)[:60]
+    leaf = tree("a", [prompt[-1], 17, 99, 512], [-1, 0, 0, 1], len(prompt) - 1)
+
+    def tree_logits(separate: bool, dense: bool) -> torch.Tensor:
+        engine = VerifierEngine(lean_target, limits=EngineLimits(kv_budget_tokens=1024))
+        layers = lean_target.prefill_layers
+        lean_target.prefill_layers = layers if dense else None
+        try:
+            engine.store.reserve("a", len(prompt) + 3)
+            head = chain("a", prompt[:-1], 0, False)
+            if separate:
+                engine.target.forward([head])
+                engine.store.set_length("a", len(prompt) - 1)
+                return engine.target.forward([leaf])[0]
+            segment = Segment("a", 0, torch.cat([head.tokens, leaf.tokens]),
+                              torch.cat([head.positions, leaf.positions]),
+                              torch.block_diag(head.mask, leaf.mask), head.num_rows)
+            segment.mask[head.num_rows:, :head.num_rows] = True
+            return engine.target.forward([segment])[0]
+        finally:
+            lean_target.prefill_layers = layers
+
+    together, alone = tree_logits(False, True), tree_logits(True, True)
+    torch.testing.assert_close(together, alone, atol=2e-3, rtol=0)
+    int4_prompt = tree_logits(False, False)
+    assert (int4_prompt - together).abs().max() > 2e-3
 
 
 def test_lean_target_keeps_the_accepted_rows_hidden_states(lean_target, chat_prompt_ids):

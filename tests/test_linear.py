@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from specmesh_kernels.linear import (Fp16Linear, PackedLinear, fp16_supports, fp16_weight_error,
-                            onednn_supports, pack_linears)
+from specmesh_kernels.linear import (Fp16Linear, PackedLinear, fp16_row_blocks, fp16_supports,
+                                     fp16_weight_error, onednn_supports, pack_linears)
 from specmesh_services.common import models
 
 pytestmark = pytest.mark.skipif(onednn_supports(torch.float32) is not None,
@@ -132,6 +132,26 @@ def test_fp16_rows_agree_across_call_sizes():
         full = fp16(x)
         for rows in (1, 2, 6, 7, 12):
             torch.testing.assert_close(fp16(x[:rows]), full[:rows], rtol=1e-6, atol=1e-5)
+
+
+@needs_fp16
+@pytest.mark.parametrize("shape", [(576, 1536), (1536, 576), (64, 49152)])
+def test_fp16_row_stable_rows_do_not_depend_on_the_call_size(shape):
+    """`row_stable`: a call's rows padded so that its last block runs a kernel that sums in the
+    full block's order (`fp16_row_blocks`); every row then has one result for any call size."""
+    if fp16_row_blocks() is None:
+        pytest.skip("no padding makes FBGEMM's fp16 rows stable here")
+    torch.manual_seed(0)
+    linear = nn.Linear(*shape, bias=False).to(torch.bfloat16)
+    plain, stable = Fp16Linear(linear), Fp16Linear(linear, row_stable=True)
+    x = torch.randn(40, shape[0])
+    with torch.inference_mode():
+        full = stable(x)
+        torch.testing.assert_close(full, plain(x), rtol=1e-6, atol=1e-5)
+        for start in (0, 3):
+            for rows in range(1, 40 - start):
+                part = stable(x[start:start + rows])
+                assert torch.equal(part, full[start:start + rows]), (start, rows)
 
 
 @needs_fp16

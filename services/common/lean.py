@@ -91,6 +91,28 @@ def _concatenated(parts: Sequence[Callable[[torch.Tensor], torch.Tensor]]
     return lambda x: torch.cat([p(x) for p in parts], dim=-1)
 
 
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _split(decode: Linear, prefill: Linear, prompt: torch.Tensor | int | None,
+           other: torch.Tensor) -> Linear:
+    """A product whose prompt rows go through `prefill` and the other rows through `decode`,
+    each call on its own rows. `prompt`: the prompt rows' indices, or n (the first n rows: a
+    lone request's prompt before its tree, read as slices), or None (every row)."""
+    if prompt is None:
+        return prefill
+    if isinstance(prompt, int):
+        n = prompt
+        return lambda x: torch.cat([prefill(x[:n]), decode(x[n:])])
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        a, b = prefill(x[prompt]), decode(x[other])
+        y = a.new_empty(x.shape[0], a.shape[-1])
+        y[prompt], y[other] = a, b
+        return y
+    return call
+
+
 class LeanDecoder:
     """A Llama / Qwen2 causal LM's decoder as a plain loop over its layers (module docstring).
 
@@ -148,11 +170,19 @@ class LeanDecoder:
             prepare(linears)
         self.linears = linears
 
-        def call(key: str) -> Callable[[torch.Tensor], torch.Tensor]:
-            return _concatenated([linears[n].forward for n in runs[key]])
+        def call(key: str, prefill: bool = False) -> Linear:
+            return _concatenated([getattr(linears[n], "prefill", linears[n].forward) if prefill
+                                  else linears[n].forward for n in runs[key]])
 
-        self.layers = [(call(f"{i}_qkv"), call(f"{i}_o"), call(f"{i}_gate_up"),
-                        call(f"{i}_down")) for i in range(self.num_layers)]
+        parts = ("qkv", "o", "gate_up", "down")
+        self.layers = [tuple(call(f"{i}_{part}") for part in parts)
+                       for i in range(self.num_layers)]
+        # products with another form for prompt rows (a native target's int4 layers keep a
+        # dense copy: the int4 kernel's cost grows steeply with the rows)
+        self.prefill_layers = None
+        if any(hasattr(m, "prefill") for m in linears.values()):
+            self.prefill_layers = [tuple(call(f"{i}_{part}", True) for part in parts)
+                                   for i in range(self.num_layers)]
         self.head = linears["head"].forward
 
     @property
@@ -172,17 +202,27 @@ class LeanDecoder:
         return cos.to(self.dtype)[:, None], sin.to(self.dtype)[:, None]  # [T, 1, D]
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend,
-            rows: torch.Tensor | None) -> torch.Tensor | None:
+            rows: torch.Tensor | None, prompt: torch.Tensor | int | None = None
+            ) -> torch.Tensor | None:
         """The decoder over T new rows (`tokens`, `positions`: [T] long on the model's device),
         attention by `attend`; returns the final (normalized) hidden states of `rows` [R,
-        hidden] (None: no rows need them, e.g. prefill chunks: the final norm is skipped)."""
+        hidden] (None: no rows need them, e.g. prefill chunks: the final norm is skipped).
+        `prompt`: the rows that are prompt (prefill) rows, through the products' prefill form
+        where they have one: indices, or n for the first n rows; the others are `rows` (None:
+        every row is a prompt row when `rows` is empty, else none is)."""
         t = int(tokens.shape[0])
+        layers = self.layers
+        everything = rows is None or rows.numel() == 0
+        if self.prefill_layers is not None and (everything or prompt is not None):
+            split = None if everything else prompt
+            layers = [tuple(_split(d, p, split, rows) for d, p in zip(decode, prefill))
+                      for decode, prefill in zip(self.layers, self.prefill_layers)]
         x = self.embed[tokens]  # [T, hidden]
         cos, sin = self._rope(positions.to(self.inv_freq.device))
         cos, sin = cos.to(x.device), sin.to(x.device)
         heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
         qk_width, half = (heads + kv_heads) * d, d // 2
-        for i, (qkv_proj, o_proj, gate_up_proj, down_proj) in enumerate(self.layers):
+        for i, (qkv_proj, o_proj, gate_up_proj, down_proj) in enumerate(layers):
             norm_in, norm_post = self.norms[i]
             qkv = qkv_proj(self._norm(x, norm_in))  # [T, (H + 2 KVH) d]
             qk = qkv[:, :qk_width].view(t, heads + kv_heads, d)

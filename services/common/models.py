@@ -265,8 +265,9 @@ def load_model(path: Path, dtype: torch.dtype, num_layers: int | None = None,
     linear layers (kernels/linear.py: "auto" packs them for oneDNN where the CPU runs the dtype,
     "torch" keeps transformers' own). `weights="native"` (float32 only) serves the layers the
     GGUF stored as 4-bit blocks (Q4_0 / Q4_1 / Q4_K) through the int4 kernel, codes unchanged,
-    and its other linear layers in bf16 where oneDNN runs it (`native_int4`); `row_stable`: a
-    target's layers, whose rows must not depend on the rows beside them (`convert_linears`)."""
+    and its other linear layers in bf16 where oneDNN or FBGEMM runs it (`native_int4`);
+    `row_stable`: a target's layers, whose rows must not depend on the rows beside them
+    (`convert_linears`)."""
     if weights not in ("float", "native"):
         raise ValueError(f"unknown weights '{weights}' (expected float or native)")
     if weights == "native" and dtype != torch.float32:

@@ -34,6 +34,9 @@ from specmesh_services.verifier.kv import KVStore
 log = logging.getLogger(__name__)
 
 ATTN_NAME = "specmesh"
+# prompt rows in a step with tree rows go through the prompt products (a native target's dense
+# copy) from this many on; fewer ride with the tree rows (one call instead of two)
+PROMPT_SPLIT_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -125,7 +128,16 @@ class PackedTarget:
 
         tokens = torch.cat([s.tokens for s in segments]).to(self.device)
         positions = torch.cat([s.positions for s in segments]).to(self.device)
-        hidden = lean.run(tokens, positions, attend, keep.to(self.device))
+        prompt = None  # prompt rows beside tree rows: their own products when there are many
+        if keep.numel() and tokens.shape[0] - keep.numel() >= PROMPT_SPLIT_ROWS:
+            is_prompt = torch.ones(tokens.shape[0], dtype=torch.bool)
+            is_prompt[keep] = False
+            prompt = is_prompt.nonzero().squeeze(1)
+            if int(prompt[-1]) == prompt.numel() - 1:  # the first rows: slices
+                prompt = prompt.numel()
+            else:
+                prompt = prompt.to(self.device)
+        hidden = lean.run(tokens, positions, attend, keep.to(self.device), prompt)
         if hidden is None:  # prefill chunks only
             self.hidden = [torch.empty(0) for _ in segments]
             return [torch.empty(0) for _ in segments]
