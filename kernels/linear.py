@@ -175,10 +175,8 @@ def fp16_row_blocks() -> tuple[int, ...] | None:
     if fp16_supports() is not None:
         return None
     gen = torch.Generator().manual_seed(0)
-    linear = nn.Linear(256, 64, bias=False)
-    with torch.no_grad():
-        linear.weight.copy_(torch.randn(64, 256, generator=gen).bfloat16().float())
-    packed = torch.ops.quantized.linear_prepack_fp16(linear.weight.detach(), None)
+    weight = torch.randn(64, 256, generator=gen).bfloat16().float()
+    packed = torch.ops.quantized.linear_prepack_fp16(weight, None)
     for block in FP16_BLOCK_CANDIDATES:
         x = torch.randn(5 * block, 256, generator=gen)
         ref = torch.ops.quantized.linear_dynamic_fp16(x, packed)  # full blocks only
@@ -491,11 +489,19 @@ class Int4Linear(nn.Module):
         self.dense_rows = dense_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._product(x, self.dense_rows)
+
+    def prefill(self, x: torch.Tensor) -> torch.Tensor:
+        """Prompt rows: through the dense copy where the layer keeps one (many rows at the
+        speed of the dense kernels), else as `forward`."""
+        return self._product(x, 0)
+
+    def _product(self, x: torch.Tensor, dense_rows: int | None) -> torch.Tensor:
+        """Through the dense copy from `dense_rows` rows on (None: never), else int4."""
         if x.dtype != torch.float32:
             raise TypeError(f"Int4Linear takes float32 input, got {x.dtype}")
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
-        if self.dense_rows is not None and self.dense is not None \
-                and flat.shape[0] >= self.dense_rows:
+        if self.dense is not None and dense_rows is not None and flat.shape[0] >= dense_rows:
             y = self.dense(flat)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size,
@@ -503,16 +509,6 @@ class Int4Linear(nn.Module):
             if y.shape[1] != self.out_features:
                 y = y[:, :self.out_features]
         # bf16 + float32 bias promotes to float32: one operation (a draft's layers are many)
-        y = y.float() if self.bias is None else torch.add(self.bias, y)
-        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
-
-    def prefill(self, x: torch.Tensor) -> torch.Tensor:
-        """Prompt rows: through the dense copy where the layer keeps one (many rows at the
-        speed of the dense kernels), else as `forward`."""
-        if self.dense is None:
-            return self.forward(x)
-        flat = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
-        y = self.dense(flat)
         y = y.float() if self.bias is None else torch.add(self.bias, y)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 

@@ -129,7 +129,8 @@ class PackedTarget:
         tokens = torch.cat([s.tokens for s in segments]).to(self.device)
         positions = torch.cat([s.positions for s in segments]).to(self.device)
         prompt = None  # prompt rows beside tree rows: their own products when there are many
-        if keep.numel() and tokens.shape[0] - keep.numel() >= PROMPT_SPLIT_ROWS:
+        if lean.prefill_layers is not None and keep.numel() \
+                and tokens.shape[0] - keep.numel() >= PROMPT_SPLIT_ROWS:
             is_prompt = torch.ones(tokens.shape[0], dtype=torch.bool)
             is_prompt[keep] = False
             prompt = is_prompt.nonzero().squeeze(1)
