@@ -73,6 +73,9 @@ def tree_attention_ref(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_slots, tree
 # Segments with at most this many new rows go through `_padded_attention`. One: from 2 rows on
 # SDPA is as fast as the padded matmuls (docs/decisions/cpu-tree-attention.md).
 SMALL_SEGMENT_ROWS = 1
+# A lone request's step of at most this many rows (its plain step, its tree; trees in a float32
+# cache only) goes through `_lone_segment` (the rest, prefill chunks, the generic paths)
+LONE_ROWS = 4
 # exact: plain decoding's one row and every verify tree (up to this many rows) take the padded
 # path in float64, prefill chunks SDPA (docs/decisions/cpu-tree-attention.md)
 EXACT_SEGMENT_ROWS = 64
@@ -80,11 +83,13 @@ EXACT_SEGMENT_ROWS = 64
 
 def tree_attention_torch(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_slots, tree_mask,
                          mask_indptr, scale: float, meta: TreeBatch | None = None,
-                         small_rows: int = SMALL_SEGMENT_ROWS, exact: bool = False
-                         ) -> torch.Tensor:
-    """Same contract as `tree_attention_ref`. Segments of at most `small_rows` new rows (a
-    plain decoding step: the root alone) all at once by `_padded_attention`; the others (trees,
-    prefill chunks) by SDPA per segment in q's dtype (SDPA accumulates in float32 internally).
+                         small_rows: int = SMALL_SEGMENT_ROWS, exact: bool = False,
+                         lone: bool = True) -> torch.Tensor:
+    """Same contract as `tree_attention_ref`. A lone segment of one row (one request's plain
+    step), or of up to LONE_ROWS in a float32 cache (its tree), by `_lone_segment` (`lone`).
+    Otherwise segments of at most `small_rows` new rows (a plain decoding step: the root alone)
+    all at once by `_padded_attention`; the others (trees, prefill chunks) by SDPA per segment
+    in q's dtype (SDPA accumulates in float32 internally).
 
     Why not SDPA for all: torch's CPU flash kernel is built for blocks of query rows and is
     several times slower than two matmuls for one row, once per segment per layer
@@ -96,6 +101,14 @@ def tree_attention_torch(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_slots, tr
         small_rows = max(small_rows, EXACT_SEGMENT_ROWS)
     meta = meta or TreeBatch.build(qo_indptr, kv_indptr, kv_slots, tree_mask, mask_indptr)
     check_inputs(q, k_cache, v_cache, meta)
+    if lone and not exact and meta.num_segments == 1 and (meta.num_rows == 1 or (
+            meta.num_rows <= LONE_ROWS and k_cache.dtype == torch.float32)):
+        start = meta.kv_start(0)
+        if start is not None:  # consecutive slots: views of the cache
+            k, v = k_cache[start:start + meta.kv_len(0)], v_cache[start:start + meta.kv_len(0)]
+        else:
+            k, v = k_cache.index_select(0, meta.kv_slots), v_cache.index_select(0, meta.kv_slots)
+        return _lone_segment(q, k, v, meta, scale)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [T, H, D]
     padded = meta.padded(small_rows) if small_rows else None
     if padded is not None:
@@ -129,6 +142,38 @@ def tree_attention_torch(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_slots, tr
             scale=scale, enable_gqa=gqa)  # [1, H, n, D]
         out[a:b] = o[0].transpose(0, 1)
     return out
+
+
+def _lone_segment(q, k: torch.Tensor, v: torch.Tensor, meta: TreeBatch, scale: float
+                  ) -> torch.Tensor:
+    """A lone request's few new rows (a plain step, a tree) over its positions `k`, `v` [K,
+    KVH, D] in order (cache slices, or gathered): scores (the tree block as an additive mask),
+    softmax and output by two matmuls batched over the KV heads, in float32. SDPA's fixed cost
+    per call and `_padded_attention`'s tables and copies are most of a layer's attention at
+    these sizes (docs/decisions/cpu-tree-attention.md); a bf16 cache's trees stay with SDPA,
+    which reads bf16 as it is where this path converts K/V. One row: the products of
+    `_padded_attention`'s one-row path, the same bits."""
+    n, heads, d = q.shape
+    kvh = k.shape[1]
+    group = heads // kvh
+    k, v = k.float(), v.float()  # views for a float32 cache
+    if n == 1:  # query head h = kvh * G + g reads KV head kvh
+        scores = torch.bmm(q.float().view(kvh, group, d), k.permute(1, 2, 0)).mul_(scale)
+    else:  # rows ordered (row, g) within a KV head: [KVH, N * G, D]
+        qs = q.float().view(n, kvh, group, d).transpose(0, 1).reshape(kvh, n * group, d)
+        bias = meta.cached(("lone-bias", group), lambda: _tree_bias(meta, group))
+        scores = torch.baddbmm(bias, qs, k.permute(1, 2, 0), alpha=scale)  # [KVH, N * G, K]
+    o = torch.bmm(torch.softmax(scores, dim=-1), v.transpose(0, 1))  # [KVH, N * G, D]
+    return o.view(kvh, n, group, d).transpose(0, 1).reshape(n, heads, d).to(q.dtype)
+
+
+def _tree_bias(meta: TreeBatch, group: int) -> torch.Tensor:
+    """Segment 0's visibility as an additive float32 mask [N * G, K] (0 or -inf; rows (row,
+    g)): the prefix visible to every row, the tree block over the last N positions."""
+    n, length = meta.n(0), meta.kv_len(0)
+    bias = torch.zeros(n, length, device=meta.tree_mask.device)
+    bias[:, length - n:].masked_fill_(~meta.tree_block(0), float("-inf"))
+    return bias.repeat_interleave(group, dim=0)
 
 
 def _padded_attention(q, k_cache, v_cache, padded: PaddedSegments, scale: float,

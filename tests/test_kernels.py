@@ -126,6 +126,8 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-3
 CASES = {  # name: (prefixes, trees, chain segments)
     "p1-t1": ([1], [1], ()),
     "p17-t5": ([17], [5], ()),
+    "p0-t9": ([0], [9], ()),  # a lone tree without prefix
+    "p300-t4": ([300], [4], ()),  # the largest lone step (LONE_ROWS)
     "p37-t23": ([37], [23], ()),
     "p300-t23": ([300], [23], ()),
     "mixed": ([1, 17, 37, 300], [5, 23, 1, 23], ()),
@@ -136,7 +138,8 @@ CASES = {  # name: (prefixes, trees, chain segments)
 HEADS = {"gqa6-2": (6, 2), "mha4": (4, 4)}
 ATTENTION = {"torch": tree_attention_torch, "triton": tree_attention_triton,
              # every segment of up to 64 rows through the padded batch (trees, chains, masks)
-             "torch-padded": functools.partial(tree_attention_torch, small_rows=64)}
+             "torch-padded": functools.partial(tree_attention_torch, small_rows=64, lone=False),
+             "torch-sdpa": functools.partial(tree_attention_torch, lone=False)}
 
 
 @pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
@@ -149,14 +152,16 @@ def test_tree_attention_matches_reference(impl, case, heads):
     assert_close(ATTENTION[impl](*batch.args()), expected, what=impl)
 
 
-@pytest.mark.parametrize("impl", ["torch", "torch-padded", "torch-exact"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("impl", ["torch", "torch-padded", "torch-sdpa", "torch-exact"])
 @pytest.mark.parametrize("case", [([300], [1]), ([37], [23]), ([0], [40]), ([17, 3], [1, 5])],
                          ids=["decode", "tree", "prefill", "two"])
-def test_consecutive_slots_read_as_views_give_the_gathered_bits(impl, case):
+def test_consecutive_slots_read_as_views_give_the_gathered_bits(impl, case, dtype):
     """A segment whose positions lie in consecutive slots (a lone request's blocks) reads K/V as
-    a slice of the cache (`TreeBatch.kv_start`); the same rows at shuffled slots are gathered
-    first. Both are the same products: bit for bit the same output."""
-    batch = make_batch(*case, seed=5).to("cpu")
+    a slice of the cache (`TreeBatch.kv_start`; a lone one-row step by `_lone_row`); the same
+    rows at shuffled slots are gathered first. Both are the same products: bit for bit the same
+    output."""
+    batch = make_batch(*case, seed=5, dtype=dtype).to("cpu")
     # the same K/V rows at slots 0 .. n - 1 in position order
     sequential = Batch(batch.q, batch.k_cache[batch.kv_slots], batch.v_cache[batch.kv_slots],
                        batch.qo_indptr, batch.kv_indptr, torch.arange(batch.kv_slots.numel()),
