@@ -74,13 +74,14 @@ def test_speculation_is_switched_off_when_it_cannot_pay_and_probed_again():
     request = sizing.for_request()
     request.profile = AcceptanceProfile.from_probabilities([[0.05]] * 10)
     budgets = [request.choose(1) for _ in range(32)]
-    # off: a 2-node probe every 4 x probe_every steps (cheap: ~2 rows over a plain step)
-    assert [c.budget for c in budgets] == ([0] * 15 + [2]) * 2
-    assert [c.probe for c in budgets] == ([False] * 15 + [True]) * 2
-    assert budgets[0].expected_length == 1.0
+    # off from its first step on the prior alone: a 2-node probe at once (its own text may be
+    # predictable), then one every 4 x probe_every steps (cheap: ~2 rows over a plain step)
+    assert [c.budget for c in budgets] == [2] + [0] * 14 + [2] + [0] * 15 + [2]
+    assert [c.probe for c in budgets] == [True] + [False] * 14 + [True] + [False] * 15 + [True]
+    assert budgets[1].expected_length == 1.0
 
 
-def test_probes_alternate_below_and_above_the_chosen_size():
+def test_probes_visit_the_adjacent_sizes_then_half_and_double():
     sizing = TreeSizing(max_nodes=32, max_depth=8, probe_every=2)
     cost = LinearCost(0.030, 0.0005)
     feed(sizing, cost, sizes=range(0, 33, 4))
@@ -88,7 +89,8 @@ def test_probes_alternate_below_and_above_the_chosen_size():
     request.profile = AcceptanceProfile.from_probabilities([[0.8, 0.1]] * 8)
     chosen = best_size(request.profile.expected_tokens(32), cost).size
     probes = [c.budget for c in (request.choose(1) for _ in range(8)) if c.probe]
-    assert set(probes) == {chosen // 2, min(2 * chosen, 32)}
+    assert 1 < chosen < 32
+    assert set(probes) == {chosen + 1, chosen - 1, chosen // 2, min(2 * chosen, 32)}
 
 
 def test_each_request_learns_its_own_profile_from_its_walks():

@@ -40,13 +40,15 @@ Deviations from ProPD, each for a reason:
 - The choice is recomputed every step, not only when batch size or context length change:
   the profile is per request and moves every step, and the greedy best-tree scan costs
   ~0.1 ms against steps of tens of milliseconds.
-- Probing: every `probe_every` steps a request runs one step at a neighbouring size (half or
-  double the chosen one). Without it the fitted line would keep the slope of whatever two
-  sizes were measured first (two points fit exactly, whatever their weights), and an "off"
-  request would never learn that its text became predictable again (no tree verified, no
-  acceptance observed). An off request probes 4x less often and with a 2-node tree (a probe
-  costs what a tree costs over a plain step); if its first two tokens are accepted the choice
-  turns speculation back on, after which the deeper levels learn again. An off request skips
+- Probing: every `probe_every` steps a request runs one step at a neighbouring size (in turn
+  one node more, one less, double, half the chosen one: the adjacent sizes see a cost that
+  grows in steps, double and half the slope). Without it the fitted line would keep the slope
+  of whatever two sizes were measured first (two points fit exactly, whatever their weights),
+  and an "off" request would never learn that its text became predictable again (no tree
+  verified, no acceptance observed). An off request probes 4x less often and with a 2-node
+  tree (a probe costs what a tree costs over a plain step), and at once when it starts off on
+  the arm's prior alone; if its first two tokens are accepted the choice turns speculation
+  back on, after which the deeper levels learn again. An off request skips
   its probe when even a tree whose every node were accepted would not beat plain decoding at
   the current costs: a probe can only teach acceptance, and on a model arm it also costs a
   drafter prefill (costs measured: docs/decisions/adaptive-tree-size.md).
@@ -212,6 +214,7 @@ class RequestSizing:
     profile: AcceptanceProfile
     decisions: list[common_pb2.StepDecision] = field(default_factory=list)
     _speculated: int = 0  # steps after the prefill step
+    _trees: int = 0  # its own trees verified
 
     def choose(self, in_flight: int, others: BatchShare = BatchShare()) -> StepChoice:
         shared = self.shared
@@ -241,7 +244,10 @@ class RequestSizing:
             return StepChoice(min(size, top), curve[min(size, top)], probe=True)
         every = shared.probe_every * (OFF_PROBE_SPACING if size == 0 else 1)
         probe = False
-        if every and self._speculated % every == 0:
+        # off from its first step on the arm's prior alone (the requests before it): it probes
+        # at once, as its own text may be predictable where theirs was not
+        starts_off = size == 0 and self._trees == 0 and self._speculated == 1
+        if every and (self._speculated % every == 0 or starts_off):
             neighbour = self._neighbour(size, top)
             if size or self._could_pay(neighbour, in_flight, others):
                 size, probe = neighbour, True
@@ -312,9 +318,12 @@ class RequestSizing:
     def _neighbour(self, size: int, top: int) -> int:
         if size == 0:
             return min(OFF_PROBE_SIZE, top)
-        up, down = min(2 * size, top), size // 2
-        # alternate below and above the chosen size
-        return up if (self._speculated // self.shared.probe_every) % 2 and up != size else down
+        # in turn one node more, one less, double, half: the adjacent sizes keep a cost that
+        # grows in steps measured around the choice (the int4 kernel takes rows in blocks of
+        # 4), double and half the line's slope
+        turn = (self._speculated // self.shared.probe_every) % 4
+        size_probe = min((size + 1, size - 1, 2 * size, size // 2)[turn], top)
+        return size_probe if size_probe != size else size - 1
 
     def observe(self, step: int, choice: StepChoice, tree: TokenTree, emitted: list[int],
                 seconds: float, in_flight: int, drafters: list[str], arm: str = "",
@@ -345,6 +354,7 @@ class RequestSizing:
             if shared.length is not None and choice.budget > 0:
                 shared.length.observe(step_seconds, [len(emitted) - 1])
             if len(tree):
+                self._trees += 1
                 self.profile.observe_tree(tree, emitted)
                 shared.prior.observe_tree(tree, emitted)
         record = common_pb2.StepDecision(
