@@ -103,9 +103,10 @@ def tree_attention_torch(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_slots, tr
     check_inputs(q, k_cache, v_cache, meta)
     if lone and not exact and meta.num_segments == 1 and (meta.num_rows == 1 or (
             meta.num_rows <= LONE_ROWS and k_cache.dtype == torch.float32)):
-        start = meta.kv_start(0)
+        start, end = meta.kv_start(0), meta.kv_len(0)
         if start is not None:  # consecutive slots: views of the cache
-            k, v = k_cache[start:start + meta.kv_len(0)], v_cache[start:start + meta.kv_len(0)]
+            end += start
+            k, v = k_cache[start:end], v_cache[start:end]
         else:
             k, v = k_cache.index_select(0, meta.kv_slots), v_cache.index_select(0, meta.kv_slots)
         return _lone_segment(q, k, v, meta, scale)

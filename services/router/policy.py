@@ -322,8 +322,8 @@ class RequestSizing:
         # grows in steps measured around the choice (the int4 kernel takes rows in blocks of
         # 4), double and half the line's slope
         turn = (self._speculated // self.shared.probe_every) % 4
-        size_probe = min((size + 1, size - 1, 2 * size, size // 2)[turn], top)
-        return size_probe if size_probe != size else size - 1
+        other = min((size + 1, size - 1, 2 * size, size // 2)[turn], top)
+        return other if other != size else size - 1  # at the top: one less
 
     def observe(self, step: int, choice: StepChoice, tree: TokenTree, emitted: list[int],
                 seconds: float, in_flight: int, drafters: list[str], arm: str = "",
