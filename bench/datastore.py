@@ -11,7 +11,9 @@ HumanEval problems, raw; greedy, 128 new tokens):
             speedup vs plain and outputs identical to plain, overall and per kind (chat / code)
   latency   the lookup engine alone on the full datastore: time per sequence of a batched
             lookup (one call for b requests / b) at b = 1, 8, 32, p50 and p99 over many calls
-            of requests advancing through their real continuations
+            of requests advancing through their real continuations; warm (calls back to back)
+            and cold (a 256 MB array read before each call, as a served step's forward pass
+            evicts the caches between two lookups)
   e2e       (--e2e) Qwen2.5-Coder-1.5B target, batch 1: tok/s of plain vs specmesh with the
             datastore only and with datastore + the 0.5B draft merged
 
@@ -19,6 +21,7 @@ HumanEval problems, raw; greedy, 128 new tokens):
     python -m bench.datastore --e2e                 # + the 1.5B end-to-end run (hours on 2 cores)
     python -m bench.datastore --e2e-only --e2e-mtbench 16 --e2e-humaneval 8   # add it later
     python -m bench.datastore --quick               # smoke run: 6 prompts x 32 tokens
+    python -m bench.datastore --latency-only        # latency alone (continuations: the prompts')
 Writes bench/results/datastore.json and .md. Run it alone on the machine.
 """
 from __future__ import annotations
@@ -105,26 +108,32 @@ def latency(model: str, prompt_ids: list[list[int]], outputs: list[list[int]], n
     settings = Settings(model=model)
     store = open_for_target(settings, build.target_tokenizer(settings))
     engine = LookupEngine(store, DatastoreSettings())
+    evict = np.ones(64 << 20, np.float32)  # 256 MB: more than the last-level cache
     rows = []
     for b in BATCHES:
-        seqs = [(prompt_ids[i % len(prompt_ids)], outputs[i % len(outputs)]) for i in range(b)]
-        engine.lookup([LookupRequest(f"b{b}-{i}", p, nodes, nodes, reset=True)
-                       for i, (p, _) in enumerate(seqs)])
-        per_seq, per_call = [], []
-        for step in range(calls):
-            items = [LookupRequest(f"b{b}-{i}", out[2 * step:2 * step + 2] or [out[-1]], nodes,
-                                   nodes) for i, (_, out) in enumerate(seqs)]
-            start = time.perf_counter()
-            engine.lookup(items)
-            seconds = time.perf_counter() - start
-            per_call.append(seconds)
-            per_seq.append(seconds / b)
-        engine.release([f"b{b}-{i}" for i in range(b)])
-        rows.append({"batch": b, "calls": calls,
-                     "per_sequence_ms_p50": 1e3 * float(np.percentile(per_seq, 50)),
-                     "per_sequence_ms_p99": 1e3 * float(np.percentile(per_seq, 99)),
-                     "per_call_ms_p50": 1e3 * float(np.percentile(per_call, 50)),
-                     "per_call_ms_p99": 1e3 * float(np.percentile(per_call, 99))})
+        for cold in (False, True):
+            tag = f"b{b}-{'cold' if cold else 'warm'}"
+            seqs = [(prompt_ids[i % len(prompt_ids)], outputs[i % len(outputs)])
+                    for i in range(b)]
+            engine.lookup([LookupRequest(f"{tag}-{i}", p, nodes, nodes, reset=True)
+                           for i, (p, _) in enumerate(seqs)])
+            per_seq, per_call = [], []
+            for step in range(calls):
+                items = [LookupRequest(f"{tag}-{i}", out[2 * step:2 * step + 2] or [out[-1]],
+                                       nodes, nodes) for i, (_, out) in enumerate(seqs)]
+                if cold:
+                    evict.sum()
+                start = time.perf_counter()
+                engine.lookup(items)
+                seconds = time.perf_counter() - start
+                per_call.append(seconds)
+                per_seq.append(seconds / b)
+            engine.release([f"{tag}-{i}" for i in range(b)])
+            rows.append({"batch": b, "cold": cold, "calls": calls,
+                         "per_sequence_ms_p50": 1e3 * float(np.percentile(per_seq, 50)),
+                         "per_sequence_ms_p99": 1e3 * float(np.percentile(per_seq, 99)),
+                         "per_call_ms_p50": 1e3 * float(np.percentile(per_call, 50)),
+                         "per_call_ms_p99": 1e3 * float(np.percentile(per_call, 99))})
     return rows
 
 
@@ -181,11 +190,13 @@ def markdown(report: dict) -> str:
         lines += ["", f"Accepted length, datastore / HF prompt lookup: "
                       f"{q['ratio_vs_prompt_lookup']:.2f}x (goal >= 1.3x)."]
     if "latency" in report:
-        lines += ["", "Lookup latency (full datastore, engine only, 100 calls per batch size):",
-                  "", "| batch | per sequence p50 ms | p99 ms | per call p50 ms | p99 ms |",
-                  "|---:|---:|---:|---:|---:|"]
+        lines += ["", "Lookup latency (full datastore, engine only, 100 calls per batch size; "
+                      "cold: caches evicted before each call):",
+                  "", "| batch | caches | per sequence p50 ms | p99 ms | per call p50 ms | p99 ms |",
+                  "|---:|---|---:|---:|---:|---:|"]
         for r in report["latency"]:
-            lines.append(f"| {r['batch']} | {r['per_sequence_ms_p50']:.3f} | "
+            caches = "cold" if r.get("cold") else "warm"
+            lines.append(f"| {r['batch']} | {caches} | {r['per_sequence_ms_p50']:.3f} | "
                          f"{r['per_sequence_ms_p99']:.3f} | {r['per_call_ms_p50']:.2f} | "
                          f"{r['per_call_ms_p99']:.2f} |")
     if "e2e" in report:
@@ -236,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--e2e-tree-size", nargs="+", choices=["fixed", "adaptive"],
                         default=["fixed"], help="end-to-end tree sizing(s) to run [fixed]")
     parser.add_argument("--quick", action="store_true", help="6 prompts x 32 tokens")
+    parser.add_argument("--latency-only", action="store_true",
+                        help="only the lookup latency, each prompt continued by the next "
+                             "prompt's tokens (no target run)")
     args = parser.parse_args(argv)
     dtype = str(models.resolve_dtype(args.dtype)).removeprefix("torch.")
     config = Config(args.model, "layers:1", dtype, mtbench=args.mtbench,
@@ -244,6 +258,16 @@ def main(argv: list[str] | None = None) -> int:
         config = replace(config, mtbench=4, humaneval=2, max_tokens=32)
     compute = compute_executor()
     name = "datastore" + ("-quick" if args.quick else "")
+    if args.latency_only:
+        prompt_ids = [p.ids for p in load_prompts(config, models.load_tokenizer(
+            models.resolve(config.model, Settings().cache_dir)))]
+        report = {"machine": platform.processor() or platform.machine(),
+                  "date": time.strftime("%Y-%m-%d"), "config": asdict(config),
+                  "latency": latency(args.model, prompt_ids, prompt_ids[1:] + prompt_ids[:1],
+                                     args.nodes)}
+        save_report(f"{name}-latency", report, markdown(report))
+        compute.shutdown()
+        return 0
     if args.e2e_only:  # added to the earlier report where there is one
         path = RESULTS / f"{name}.json"
         report = (json.loads(path.read_text()) if path.is_file() else

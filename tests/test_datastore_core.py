@@ -18,6 +18,7 @@ from specmesh_services.common.datastore_files import DatastoreMismatch, check_fa
 from specmesh_services.datastore.engine import LookupEngine, LookupRequest
 from specmesh_services.datastore.fusion import Discounts, WeightedTree, fuse
 from specmesh_services.datastore.input_index import InputIndex
+from specmesh_services.datastore import suffix
 from specmesh_services.datastore.suffix import SEPARATOR, SuffixDatastore, build_datastore
 
 S = int(SEPARATOR)
@@ -31,7 +32,14 @@ def make_store(tmp_path, docs, name: str = "ds") -> SuffixDatastore:
 
 
 # suffix array -------------------------------------------------------------------------------
-def test_suffix_array_and_ranges_by_hand(tmp_path):
+@pytest.fixture(params=["bisect", "vectorized"])
+def search(request, monkeypatch):
+    """Each search test runs over both searches: one prefix at a time and the vectorized one."""
+    monkeypatch.setattr(suffix, "SCALAR_PREFIXES", 10**9 if request.param == "bisect" else -1)
+    return request.param
+
+
+def test_suffix_array_and_ranges_by_hand(tmp_path, search):
     store = make_store(tmp_path, DOCS)
     assert np.asarray(store.tokens).tolist() == [1, 2, 3, 1, 2, 4, S, 2, 3, S]
     # the suffixes sorted token by token (S after every token; a suffix that is a prefix of
@@ -88,7 +96,7 @@ def random_store(tmp_path, seed: int, alphabet: int, max_len: int, docs: int):
     return store, np.asarray(store.tokens).tolist(), rng
 
 
-def test_batched_search_equals_brute_force_on_a_random_corpus(tmp_path):
+def test_batched_search_equals_brute_force_on_a_random_corpus(tmp_path, search):
     store, text, rng = random_store(tmp_path, seed=7, alphabet=6, max_len=40, docs=60)
     queries = [[rng.randrange(7) for _ in range(rng.randint(1, 5))] for _ in range(400)]
     lo, hi = store.find_batch(queries)  # token 6 never occurs

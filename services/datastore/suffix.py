@@ -29,6 +29,7 @@ advance together, vectorized with numpy (the paper parallelizes over the batch w
 """
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import shutil
@@ -52,6 +53,11 @@ SEPARATOR = np.uint32(0xFFFFFFFF)
 FORMAT_VERSION = 1
 INT32_MAX = 2**31 - 1
 SA_FILES = {"int32": "sa.i32", "int64": "sa.i64"}
+# up to this many prefixes a batch is searched one prefix at a time with `bisect` (a few µs a
+# prefix); more take the vectorized search, whose ~25 steps of numpy calls cost ~0.4 ms
+# whatever the batch (docs/decisions/datastore-search.md)
+SCALAR_PREFIXES = 64
+MAX_TABLE_TOKEN = 1 << 24  # the first-token table covers ids below this (every tokenizer's)
 
 
 def build_datastore(out_dir: Path, documents: Iterable[Sequence[int]], meta: dict,
@@ -126,6 +132,15 @@ class SuffixDatastore:
         self.sa = sa
         self.meta = meta
         self.path = path
+        # the arrays as flat memoryviews: indexing one gives a Python int without numpy's
+        # per-call cost (native byte order only; else the vectorized search serves every batch)
+        native = tokens.dtype.isnative and sa.dtype.isnative and tokens.size
+        self._token_view = memoryview(np.asarray(tokens)).cast("B").cast("I") if native else None
+        self._sa_view = (memoryview(np.asarray(sa)).cast("B").cast("i" if sa.itemsize == 4
+                                                                    else "q")
+                         if native else None)
+        self._starts: list[int] | None = None
+        self.first_token_starts()
 
     @classmethod
     def open(cls, path: Path) -> SuffixDatastore:
@@ -157,6 +172,10 @@ class SuffixDatastore:
         of the whole batch advance together: ~log2(N) vectorized steps, each gathering
         tokens[sa[mid] + k] for every query and prefix position k."""
         b = len(prefixes)
+        if b <= SCALAR_PREFIXES and self._sa_view is not None:
+            found = [self._find_one(list(p)) for p in prefixes]
+            return (np.array([lo for lo, _ in found], np.int64).reshape(b),
+                    np.array([hi for _, hi in found], np.int64).reshape(b))
         lengths = np.fromiter((len(p) for p in prefixes), np.int64, count=b)
         width = int(lengths.max(initial=0))
         if width == 0:  # an empty prefix matches every suffix
@@ -167,6 +186,53 @@ class SuffixDatastore:
         bounds = self._bounds(np.concatenate([query, query]), np.concatenate([lengths, lengths]),
                               upper=np.repeat([False, True], b))
         return bounds[:b], bounds[b:]
+
+    def first_token_starts(self) -> list[int]:
+        """starts[t]: the first suffix-array row whose suffix starts with a token >= t, for t up
+        to the largest token + 1 (the suffixes are sorted by their first token, so it is the
+        number of positions holding a smaller token: a histogram's running sum, built when the
+        store is opened, ~0.5 s for 28M tokens). A one-token prefix's range is then read, not
+        searched, and a longer one is searched within its first token's range: ~10-20 steps
+        instead of ~25, each a random read of both arrays. Empty when the ids are too large
+        for a table (no tokenizer's are): every search then spans the whole array."""
+        if self._starts is None:
+            tokens = np.asarray(self.tokens)
+            counts = np.zeros(1, np.int64)
+            for at in range(0, tokens.size, 1 << 23):  # bounded temporaries
+                chunk = tokens[at:at + (1 << 23)]
+                chunk = chunk[chunk != SEPARATOR]
+                if chunk.size and int(chunk.max()) >= MAX_TABLE_TOKEN:
+                    self._starts = []
+                    return self._starts
+                part = np.bincount(chunk, minlength=counts.size)
+                part[:counts.size] += counts
+                counts = part
+            self._starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
+        return self._starts
+
+    def _find_one(self, prefix: list[int]) -> tuple[int, int]:
+        """One prefix's range by `bisect` over the suffix array within its first token's rows,
+        keyed by each suffix's first len(prefix) tokens as a list (list order is the
+        token-by-token order; a suffix cut by the end of the array is a shorter list and sorts
+        first, as in `_bounds`)."""
+        if not prefix:
+            return 0, len(self)
+        starts, first = self.first_token_starts(), prefix[0]
+        if not starts:
+            lo, hi = 0, len(self)
+        elif not 0 <= first < len(starts) - 1:  # a token the corpus never holds
+            at = starts[-1] if first >= 0 else 0  # before the separators' suffixes
+            return at, at
+        else:
+            lo, hi = starts[first], starts[first + 1]
+        if len(prefix) == 1 or lo == hi:
+            return lo, hi
+        tokens, width = self._token_view, len(prefix)
+
+        def key(start: int) -> list[int]:
+            return tokens[start:start + width].tolist()
+        lo = bisect.bisect_left(self._sa_view, prefix, lo, hi, key=key)
+        return lo, bisect.bisect_right(self._sa_view, prefix, lo, hi, key=key)
 
     def _bounds(self, query: np.ndarray, lengths: np.ndarray, upper: np.ndarray) -> np.ndarray:
         """Per row: the first suffix-array index whose suffix compares > the query (`upper`) or
@@ -216,8 +282,11 @@ class SuffixDatastore:
             return [WeightedTree() for _ in contexts]
         queries = [(i, length) for i, context in enumerate(contexts)
                    for length in range(min(prefix_len, len(context)), 0, -1)]  # longest first
-        los, his = self.find_batch([contexts[i][len(contexts[i]) - length:]
-                                    for i, length in queries])
+        # a few queries are searched one at a time, a shorter prefix only when the longer ones
+        # found too few; many, all at once (vectorized)
+        each = len(queries) <= SCALAR_PREFIXES and self._sa_view is not None
+        los, his = (([], []) if each else self.find_batch(
+            [contexts[i][len(contexts[i]) - length:] for i, length in queries]))
         # The threshold (SSSD 3.1.2): a context adds its next shorter prefix while fewer than
         # `min_conts` occurrences were collected. The ranges used are summed along the tree edges
         # as the paper says; every occurrence of a longer prefix is also one of each shorter
@@ -230,8 +299,12 @@ class SuffixDatastore:
         lo: list[int] = []
         size: list[int] = []
         found = [0] * len(contexts)
-        for (i, length), a, b in zip(queries, los.tolist(), his.tolist()):
-            if b > a and found[i] < min_conts:
+        for q, (i, length) in enumerate(queries):
+            if found[i] >= min_conts:
+                continue
+            a, b = (self._find_one(list(contexts[i][len(contexts[i]) - length:])) if each
+                    else (int(los[q]), int(his[q])))
+            if b > a:
                 owner.append(i)
                 lengths.append(length)
                 lo.append(a)
