@@ -82,3 +82,26 @@ def test_timed_submits_get_their_share_of_the_service_time():
     timed, untimed = asyncio.run(run())
     assert timed == [(0, 0.125), (10, 0.125), (20, 0.125), (30, 0.125)]
     assert untimed == (30, 0.0)
+
+
+def test_a_caller_alone_sends_at_once_and_gets_the_answer_or_the_error():
+    async def run(service, alone=True):
+        batcher = MicroBatcher(service, list)
+        loop = asyncio.get_running_loop()
+        turns = 0
+
+        def tick():  # counts event-loop turns until the answer
+            nonlocal turns
+            turns += 1
+            loop.call_soon(tick)
+        loop.call_soon(tick)
+        try:
+            return await batcher.submit(3, 1.0, alone=alone), service.requests, turns, batcher
+        except TimeoutError as err:
+            return err, service.requests, turns, batcher
+    answer, requests, turns, batcher = asyncio.run(run(FakeService()))
+    assert answer == 30 and requests == [[3]] and (batcher.calls, batcher.items) == (1, 1)
+    # only the fake service's own sleep(0) yields (batched: three turns more)
+    assert turns == 1 and asyncio.run(run(FakeService(), alone=False))[2] == 4
+    error, requests, _, _ = asyncio.run(run(FakeService(fail=TimeoutError("slow"))))
+    assert isinstance(error, TimeoutError) and requests == [[3]]

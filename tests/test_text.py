@@ -42,3 +42,19 @@ def test_special_tokens_are_not_in_the_text(tokenizer):
     stream = TextStream(tokenizer)
     stream.push(tokenizer.eos_token_id)
     assert stream.finish() == ""
+
+
+@pytest.mark.parametrize("text", ["Hello world", "naïve café — 你好, emoji 🎉 ok", "  spaced\n\nlines"])
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5])
+def test_a_step_of_tokens_at_once_streams_what_token_by_token_does(tokenizer, text, chunk):
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    stream = TextStream(tokenizer)
+    pieces = []
+    for at in range(0, len(ids), chunk):
+        stream.extend(ids[at:at + chunk])
+        pieces.append(stream.take())
+    pieces.append(stream.finish())
+    assert "".join(pieces) == "".join(stream_all(tokenizer, text)[0])
+    assert not any("\ufffd" in p for p in pieces)
+    with pytest.raises(RuntimeError, match="one by one"):
+        TextStream(tokenizer, ["END"]).extend(ids)

@@ -150,6 +150,13 @@ class LocalStub:
             if timeout is not None and inspect.iscoroutine(result):
                 # the deadline a real channel enforces: a stuck call raises TimeoutError,
                 # which callers already handle, instead of hanging the request
-                return asyncio.wait_for(result, timeout)
+                return _within(result, timeout)
             return result
         return call
+
+
+async def _within(call, timeout: float):
+    """`call` awaited under a deadline, in the caller's task (asyncio.wait_for would run it
+    as a task of its own: one more turn of the event loop per call)."""
+    async with asyncio.timeout(timeout):
+        return await call

@@ -33,14 +33,20 @@ class MicroBatcher:
         self.calls = 0
         self.items = 0
 
-    async def submit(self, item: Any, timeout: float) -> Any:
+    async def submit(self, item: Any, timeout: float, alone: bool = False) -> Any:
         """The item's tree."""
-        return (await self.submit_timed(item, timeout))[0]
+        return (await self.submit_timed(item, timeout, alone))[0]
 
-    async def submit_timed(self, item: Any, timeout: float) -> tuple[Any, float]:
-        """The item's tree and the service's seconds for it (its share of the batched call)."""
+    async def submit_timed(self, item: Any, timeout: float, alone: bool = False
+                           ) -> tuple[Any, float]:
+        """The item's tree and the service's seconds for it (its share of the batched call).
+        `alone`: the caller knows nobody else will submit this turn (one request in flight):
+        the call goes out at once, from the caller's task."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
+        if alone and not self._queue:
+            await self._send([(item, future)], timeout)
+            return future.result()
         self._queue.append((item, future))
         if len(self._queue) >= self.max_items:
             self._flush(timeout)

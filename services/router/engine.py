@@ -439,15 +439,18 @@ class _RequestLoop:
         """Applies the stop conditions token by token; returns the chunk to stream."""
         out: list[int] = []
         finish = common_pb2.FINISH_REASON_UNSPECIFIED
+        by_token = bool(self.text.stop)  # stop sequences are looked for after every token
         for token in emitted:
             out.append(token)
             self.generated.append(token)
-            if token in self.stops or self.text.push(token):
+            if token in self.stops or (by_token and self.text.push(token)):
                 finish = common_pb2.FINISH_REASON_STOP
             elif len(self.generated) >= self.max_new:
                 finish = common_pb2.FINISH_REASON_LENGTH
             if finish:
                 break
+        if not by_token:  # a stop token ends the output but is not text
+            self.text.extend(out[:-1] if finish == common_pb2.FINISH_REASON_STOP else out)
         self.stats.observe_emitted(len(out))
         text = self.text.finish() if finish else self.text.take()
         stats = self.stats.to_pb()
@@ -520,7 +523,8 @@ class _RequestLoop:
         if self._uses_datastore(arm):
             parts.append(self._lookup(budget))
             names = [*names, DATASTORE_ARM]
-        trees = [TokenTree.from_pb(t) for t in await asyncio.gather(*parts)]
+        found = [await parts[0]] if len(parts) == 1 else await asyncio.gather(*parts)
+        trees = [TokenTree.from_pb(t) for t in found]
         sizing = self.sizing(arm)
         if self._votes(arm):
             self.vote = self.router.voter.vote(
@@ -543,7 +547,7 @@ class _RequestLoop:
                                         reset=self.lookup_reset)
         try:
             tree, seconds = await self.router.lookups.submit_timed(
-                item, self.router.settings.step_timeout_s)
+                item, self.router.settings.step_timeout_s, alone=self.router.in_flight == 1)
             self.draft_seconds += seconds
         except (grpc.RpcError, asyncio.TimeoutError) as err:
             log.warning("datastore lookup for %s failed (%s): this step runs without its tree",
@@ -573,7 +577,7 @@ class _RequestLoop:
                                      min_probability=spec.min_probability)
         try:
             tree, seconds = await self.router.drafts.submit_timed(
-                item, self.router.settings.step_timeout_s)
+                item, self.router.settings.step_timeout_s, alone=self.router.in_flight == 1)
             self.draft_seconds += seconds
         except (grpc.RpcError, asyncio.TimeoutError) as err:
             log.warning("drafting for %s failed (%s): this step runs without a tree",

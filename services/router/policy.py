@@ -120,12 +120,16 @@ class PassTimes(StepTimeModel):
     it is counted once, so a pass of 8 trees neither outweighs a pass of 1 nor ages the other
     sizes 8 steps at a time."""
 
-    _seen: deque = field(default_factory=lambda: deque(maxlen=256), init=False, repr=False)
+    _seen: deque = field(default_factory=deque, init=False, repr=False)  # the last 256 passes
+    _seen_keys: set = field(default_factory=set, init=False, repr=False)  # the same, to look up
 
     def observe_pass(self, step: VerifyStep) -> None:
         key = (step.verifier, step.seconds, step.rows)
-        if key not in self._seen:
+        if key not in self._seen_keys:
             self._seen.append(key)
+            self._seen_keys.add(key)
+            if len(self._seen) > 256:
+                self._seen_keys.discard(self._seen.popleft())
             self.observe(step.rows, step.seconds)
 
 
