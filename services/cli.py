@@ -209,6 +209,25 @@ def cmd_datastore(args: argparse.Namespace) -> int:
         return 2
 
 
+def cmd_heads(args: argparse.Namespace) -> int:
+    from specmesh_services.common.serving import setup_logging
+    from specmesh_services.heads import extract
+
+    setup_logging("WARNING")
+    settings = settings_from(args)
+    try:
+        meta = extract.extract(settings, args.tokens, args.corpus, args.out, args.seq_len,
+                               args.batch, max_seconds=args.seconds)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    out = args.out or extract.default_dir(settings, args.corpus, args.seq_len)
+    print(f"hidden states {out}\n  {meta['tokens']:,} tokens of {meta['records']:,} "
+          f"conversations in {len(meta['shards'])} shards"
+          + (" (the whole corpus)" if meta["complete"] else ""))
+    return 0
+
+
 def cmd_health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -337,6 +356,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="rebuild an existing datastore (build)")
     add_setting_flags(p, "datastore")
     p.set_defaults(func=cmd_datastore)
+
+    p = sub.add_parser(
+        "heads", help="the training data of draft heads (Hydra)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Grounded draft heads (Hydra) predict the target's next tokens from its last "
+                    "hidden state.\n\n"
+                    "  extract  run the target over --corpus (ShareGPT conversations through the "
+                    "chat\n           template, in windows of --seq-len tokens) and cache its "
+                    "final hidden states\n           in safetensors shards; a later run resumes "
+                    "or extends what is there")
+    p.add_argument("action", choices=["extract"])
+    p.add_argument("--corpus", default="sharegpt",
+                   help="'sharegpt', or a .json / .jsonl file of conversations [sharegpt]")
+    p.add_argument("--tokens", type=int, default=1_000_000,
+                   help="stop after this many tokens (whole conversations) [1000000]")
+    p.add_argument("--seconds", type=float, help="stop after the shard in progress at this time")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per window [512]")
+    p.add_argument("--batch", type=int, default=8, help="windows per forward [8]")
+    p.add_argument("--out", type=Path,
+                   help="output folder [<cache_dir>/heads/<model>/hidden-<corpus>-<seq-len>]")
+    add_setting_flags(p, "heads")
+    p.set_defaults(func=cmd_heads)
 
     p = sub.add_parser("config", help="the settings in effect, or the configuration reference",
                        description="show: the settings this command line, the SPECMESH_* "

@@ -43,6 +43,7 @@ GROUPS: dict[str, tuple[str, tuple[Flag, ...]]] = {
         Flag("speculation.tree_size"), Flag("speculation.selection", "--select"),
         Flag("speculation.voting", "--vote"), Flag("cache_dir", metavar="DIR"))),
     "files": ("files", (Flag("cache_dir", metavar="DIR"),)),
+    "target": ("target model", (Flag("model"), Flag("dtype"), Flag("cache_dir", metavar="DIR"))),
     "datastore": ("datastore", (Flag("datastore.path", "--datastore-path", "DIR"),)),
     "verifier": ("verifier (continuous batching, KV memory)", (
         Flag("verifier.batch_size", metavar="N"), Flag("verifier.max_batch_tokens", metavar="N"),
@@ -59,6 +60,7 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     "up": ("pool", "model", "datastore", "verifier", "operations"),
     "serve": ("service", "model", "datastore", "verifier", "operations"),
     "datastore": ("model", "datastore", "verifier", "operations"),
+    "heads": ("target",),
     "models": ("files",),
     "down": ("files",),
     "config show": ("service", "model", "datastore", "verifier", "operations"),

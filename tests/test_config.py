@@ -26,6 +26,7 @@ REFERENCE = ROOT / "docs" / "configuration.md"
 # positional arguments each command needs before its flags
 ARGV = {"run": ["run", "hi"], "up": ["up"], "serve": ["serve", "router"],
         "datastore": ["datastore", "info"], "models": ["models", "list"], "down": ["down"],
+        "heads": ["heads", "extract"],
         "config show": ["config", "show"]}
 
 

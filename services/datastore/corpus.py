@@ -95,6 +95,33 @@ def record_texts(record: object) -> list[str]:
     return out
 
 
+def record_messages(record: object) -> list[dict]:
+    """One record as chat messages ({"role": "user" | "assistant", "content"}), for a chat
+    template: ShareGPT's human / gpt turns, or `messages` as given; [] for other shapes."""
+    if not isinstance(record, dict):
+        return []
+    roles = {"human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant"}
+    out = []
+    for turn in record.get("conversations") or record.get("messages") or []:
+        if not isinstance(turn, dict):
+            continue
+        role = roles.get(turn.get("from", turn.get("role")))
+        value = turn.get("value", turn.get("content"))
+        if role and isinstance(value, str) and value.strip():
+            out.append({"role": role, "content": value})
+    return out
+
+
+def iter_records(path: Path) -> Iterator[object]:
+    """The records of a .json (array) or .jsonl corpus file, in order."""
+    suffix = path.suffix.lower()
+    if suffix == ".json":
+        return iter_json_array(path.read_text(encoding="utf-8"))
+    if suffix == ".jsonl":
+        return _jsonl(path)
+    raise CorpusError(f"{path}: conversations come from .json or .jsonl files")
+
+
 def iter_texts(path: Path, limit: int | None = None) -> Iterator[str]:
     """Documents (non-empty strings) of a corpus file; `limit` caps the number of records."""
     suffix = path.suffix.lower()

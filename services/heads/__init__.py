@@ -1,0 +1,1 @@
+"""Draft heads (Hydra) trained on the target's own hidden states."""

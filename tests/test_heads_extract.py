@@ -1,0 +1,83 @@
+"""The hidden states draft heads train on (services/heads/extract.py), with the real default
+model in float32 over a small corpus of conversations: the windows are the chat template's
+tokens, each window's hidden states are the target's own final hidden states, an interrupted
+run resumes to the same shards as an uninterrupted one, and a folder of another setup is
+refused."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specmesh_services.heads import extract
+
+CONVERSATIONS = [
+    {"conversations": [{"from": "human", "value": "What is a suffix array?"},
+                       {"from": "gpt", "value": "A sorted array of all suffixes of a string."}]},
+    {"conversations": []},  # no turns: read, nothing extracted
+    {"conversations": [{"from": "human", "value": "Say hi."},
+                       {"from": "gpt", "value": "Hi! How can I help you today?"}]},
+    {"conversations": [{"from": "human", "value": "Count to five."},
+                       {"from": "gpt", "value": "One, two, three, four, five."}]},
+]
+SEQ_LEN = 16
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "conversations.jsonl"
+    path.write_text("\n".join(json.dumps(c) for c in CONVERSATIONS))
+    return str(path)
+
+
+def run(base_settings, corpus, out, **kwargs):
+    return extract.extract(base_settings, kwargs.pop("max_tokens", 10**6), corpus, out,
+                           seq_len=SEQ_LEN, batch_size=2, progress=False, **kwargs)
+
+
+def shards(out, meta):
+    return [extract.load_shard(out, entry) for entry in meta["shards"]]
+
+
+def test_windows_are_the_templated_conversations_and_their_target_hidden_states(
+        base_settings, corpus, tmp_path, tokenizer, hf_target):
+    meta = run(base_settings, corpus, tmp_path / "h", shard_tokens=40)
+    expected = [w for ids in extract.conversations(extract.corpora.resolve(corpus), tokenizer)
+                for w in extract.windows(ids, SEQ_LEN)]
+    assert meta["complete"] and meta["records"] == len(CONVERSATIONS)
+    assert meta["tokens"] == sum(len(w) for w in expected) and len(meta["shards"]) > 1
+    got = []
+    for shard in shards(tmp_path / "h", meta):
+        starts = shard["starts"].tolist()
+        assert shard["hidden"].shape == (starts[-1], hf_target.config.hidden_size)
+        for a, b in zip(starts, starts[1:]):
+            window = shard["tokens"][a:b].tolist()
+            got.append(window)
+            with torch.inference_mode():  # the window alone, unpadded, as the reference
+                ref = hf_target.model(input_ids=torch.tensor([window])).last_hidden_state[0]
+            torch.testing.assert_close(shard["hidden"][a:b].float(), ref, atol=2e-2, rtol=1e-2)
+    assert got == expected
+    assert all(len(w) <= SEQ_LEN for w in got)
+
+
+def test_an_interrupted_run_resumes_to_the_same_shards(base_settings, corpus, tmp_path):
+    whole = run(base_settings, corpus, tmp_path / "whole", shard_tokens=1)
+    first = run(base_settings, corpus, tmp_path / "parts", shard_tokens=1, max_tokens=1)
+    assert not first["complete"] and first["records"] < len(CONVERSATIONS)
+    rest = run(base_settings, corpus, tmp_path / "parts", shard_tokens=1)
+    assert {k: v for k, v in rest.items()} == whole
+    for a, b in zip(shards(tmp_path / "whole", whole), shards(tmp_path / "parts", rest)):
+        assert a["tokens"].equal(b["tokens"]) and a["starts"].equal(b["starts"])
+        torch.testing.assert_close(a["hidden"], b["hidden"], atol=2e-2, rtol=1e-2)
+    # a finished folder is not recomputed
+    assert run(base_settings, corpus, tmp_path / "parts") == whole
+
+
+def test_a_folder_of_another_setup_is_refused(base_settings, corpus, tmp_path):
+    run(base_settings, corpus, tmp_path / "h", max_tokens=1)
+    with pytest.raises(extract.HiddenStatesMismatch, match="seq_len 16 .asked 32."):
+        extract.extract(base_settings, 10**6, corpus, tmp_path / "h", seq_len=32,
+                        progress=False)
+    with pytest.raises(ValueError, match="seq_len >= 2"):
+        extract.extract(base_settings, 10, corpus, tmp_path / "x", seq_len=1, progress=False)
