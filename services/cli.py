@@ -211,20 +211,35 @@ def cmd_datastore(args: argparse.Namespace) -> int:
 
 def cmd_heads(args: argparse.Namespace) -> int:
     from specmesh_services.common.serving import setup_logging
-    from specmesh_services.heads import extract
+    from specmesh_services.heads import extract, train
 
     setup_logging("WARNING")
     settings = settings_from(args)
+    hidden = (args.hidden if args.action == "train" and args.hidden else
+              extract.default_dir(settings, args.corpus, args.seq_len))
     try:
-        meta = extract.extract(settings, args.tokens, args.corpus, args.out, args.seq_len,
-                               args.batch, max_seconds=args.seconds)
+        if args.action == "extract" or not args.hidden:
+            meta = extract.extract(settings, args.tokens, args.corpus, args.out if
+                                   args.action == "extract" else None, args.seq_len,
+                                   args.batch,
+                                   max_seconds=args.seconds if args.action == "extract" else None)
+            where = args.out if args.action == "extract" and args.out else hidden
+            print(f"hidden states {where}\n  {meta['tokens']:,} tokens of "
+                  f"{meta['records']:,} conversations in {len(meta['shards'])} shards"
+                  + (" (the whole corpus)" if meta["complete"] else ""))
+            if args.action == "extract":
+                return 0
+        out = args.out or Path(settings.cache_dir) / "heads" / settings.model / \
+            f"heads-{args.heads}"
+        result = train.train(settings, hidden, out, args.heads, lr=args.lr,
+                             max_seconds=args.seconds)
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    out = args.out or extract.default_dir(settings, args.corpus, args.seq_len)
-    print(f"hidden states {out}\n  {meta['tokens']:,} tokens of {meta['records']:,} "
-          f"conversations in {len(meta['shards'])} shards"
-          + (" (the whole corpus)" if meta["complete"] else ""))
+    state = "" if result["complete"] else " (stopped by --seconds: run again to resume)"
+    print(f"heads {out}{state}\n  {result['tokens_seen']:,} examples in "
+          f"{result['seconds']:.0f} s; held-out accuracy (top-1 / top-5): " + ", ".join(
+              f"head {a['head']} {a['top1']:.3f} / {a['top5']:.3f}" for a in result["accuracy"]))
     return 0
 
 
@@ -365,8 +380,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "  extract  run the target over --corpus (ShareGPT conversations through the "
                     "chat\n           template, in windows of --seq-len tokens) and cache its "
                     "final hidden states\n           in safetensors shards; a later run resumes "
-                    "or extends what is there")
-    p.add_argument("action", choices=["extract"])
+                    "or extends what is there\n"
+                    "  train    extract (unless --hidden names a folder), then train --heads "
+                    "grounded\n           heads on it for one pass (Hydra 4.1); writes "
+                    "heads.safetensors + heads.json\n           (held-out top-1 / top-5 per "
+                    "head); --seconds stops it resumably")
+    p.add_argument("action", choices=["extract", "train"])
     p.add_argument("--corpus", default="sharegpt",
                    help="'sharegpt', or a .json / .jsonl file of conversations [sharegpt]")
     p.add_argument("--tokens", type=int, default=1_000_000,
@@ -375,7 +394,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=512, help="tokens per window [512]")
     p.add_argument("--batch", type=int, default=8, help="windows per forward [8]")
     p.add_argument("--out", type=Path,
-                   help="output folder [<cache_dir>/heads/<model>/hidden-<corpus>-<seq-len>]")
+                   help="output folder [extract: <cache_dir>/heads/<model>/hidden-<corpus>-"
+                        "<seq-len>; train: <cache_dir>/heads/<model>/heads-<heads>]")
+    p.add_argument("--hidden", type=Path, help="train on this hidden-states folder")
+    p.add_argument("--heads", type=int, default=3, help="heads to train (train) [3]")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (train) [1e-3]")
     add_setting_flags(p, "heads")
     p.set_defaults(func=cmd_heads)
 

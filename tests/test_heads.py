@@ -1,8 +1,9 @@
-"""The hidden states draft heads train on (services/heads/extract.py), with the real default
-model in float32 over a small corpus of conversations: the windows are the chat template's
-tokens, each window's hidden states are the target's own final hidden states, an interrupted
-run resumes to the same shards as an uninterrupted one, and a folder of another setup is
-refused."""
+"""Grounded draft heads (services/heads), with the real default model in float32 over a small
+corpus of conversations. Extraction: the windows are the chat template's tokens, each window's
+hidden states are the target's own final hidden states, an interrupted run resumes to the same
+shards as an uninterrupted one, a folder of another setup is refused. Training: a new head
+reads the target's own distribution and is grounded on the drafted tokens; a run writes heads
+with held-out accuracy and resumes from its checkpoint."""
 from __future__ import annotations
 
 import json
@@ -81,3 +82,46 @@ def test_a_folder_of_another_setup_is_refused(base_settings, corpus, tmp_path):
                         progress=False)
     with pytest.raises(ValueError, match="seq_len >= 2"):
         extract.extract(base_settings, 10, corpus, tmp_path / "x", seq_len=1, progress=False)
+
+
+# training --------------------------------------------------------------------------------------
+def test_a_new_head_reads_the_targets_own_distribution(hf_target):
+    from specmesh_services.heads.model import GroundedHeads
+
+    embed = hf_target.get_input_embeddings().weight.detach()
+    head = embed  # SmolLM2 ties its LM head to the embeddings
+    heads = GroundedHeads(embed.shape[1], 2, embed, head)
+    f = torch.randn(3, embed.shape[1])
+    tokens = torch.tensor([[1, 2], [3, 4], [5, 6]])
+    for k in (1, 2):  # W2 starts at zero: h = f whatever the tokens
+        torch.testing.assert_close(heads.logits(k, f, tokens[:, :k]), f @ head.T)
+    with torch.no_grad():
+        heads.down[1].weight.normal_()
+    other = torch.tensor([[1, 9], [3, 9], [5, 9]])  # grounded: the drafted tokens change it
+    assert not torch.equal(heads.logits(2, f, tokens), heads.logits(2, f, other))
+
+
+def test_training_writes_heads_with_held_out_accuracy_and_resumes(base_settings, corpus,
+                                                                  tmp_path):
+    from safetensors.torch import load_file
+
+    from specmesh_services.heads import train
+
+    run(base_settings, corpus, tmp_path / "h", shard_tokens=1)
+    stopped = train.train(base_settings, tmp_path / "h", tmp_path / "k", num_heads=2, batch=8,
+                          max_seconds=0, progress=False)
+    assert not stopped["complete"] and (tmp_path / "k" / train.CHECKPOINT).is_file()
+    done = train.train(base_settings, tmp_path / "h", tmp_path / "k", num_heads=2, batch=8,
+                       progress=False)
+    assert done["complete"] and done["steps"] == done["of_steps"] > 0
+    assert not (tmp_path / "k" / train.CHECKPOINT).exists()
+    saved = json.loads((tmp_path / "k" / "heads.json").read_text())
+    assert saved["model"] == base_settings.model and saved["num_heads"] == 2
+    assert [a["head"] for a in saved["accuracy"]] == [1, 2]
+    assert all(0 <= a["top1"] <= a["top5"] <= 1 for a in saved["accuracy"])
+    weights = load_file(str(tmp_path / "k" / "heads.safetensors"))
+    assert set(weights) == {"up.0.weight", "up.0.bias", "up.1.weight", "up.1.bias",
+                            "down.0.weight", "down.0.bias", "down.1.weight", "down.1.bias"}
+    with pytest.raises(extract.HiddenStatesMismatch, match="not qwen"):
+        train.train(base_settings.with_overrides(model="qwen2.5-coder-0.5b"), tmp_path / "h",
+                    tmp_path / "q", progress=False)

@@ -1,0 +1,53 @@
+"""Grounded draft heads (Hydra, section 3.2): K small MLPs over the target's final hidden state
+that predict the tokens after the target's own next token, each conditioned on the tokens
+before it.
+
+With f_t the target's final (normalized) hidden state at token x_t and E the target's input
+embeddings, head k (k = 1..K) predicts x_{t+1+k} from
+
+    f_t (+) E(x_{t+1}) (+) ... (+) E(x_{t+k})        ((+): concatenation)
+
+where x_{t+1} is the target's own next token (the bonus token of a verify step) and the later
+ones are the tokens drafted so far (the data's tokens in training: teacher forcing). Each head
+is an MLP with one hidden layer of the model's width (the paper's shape) added to f_t
+(`h = f_t + W2 silu(W1 input)`, W2 zero at start: a new head starts as the target's own
+next-token distribution), read out by the target's LM head, shared and frozen. The residual
+and the zero start are Medusa's head design, which Hydra's heads keep.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class GroundedHeads(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, embed: torch.Tensor,
+                 lm_head: torch.Tensor) -> None:
+        """`embed` [V, H] and `lm_head` [V, H]: the target's (kept frozen, not trained)."""
+        super().__init__()
+        if num_heads < 1:
+            raise ValueError("need at least one head")
+        self.hidden_size, self.num_heads = hidden_size, num_heads
+        self.register_buffer("embed", embed.detach(), persistent=False)
+        self.register_buffer("lm_head", lm_head.detach(), persistent=False)
+        self.up = nn.ModuleList(nn.Linear(hidden_size * (k + 1), hidden_size)
+                                for k in range(1, num_heads + 1))
+        self.down = nn.ModuleList(nn.Linear(hidden_size, hidden_size)
+                                  for _ in range(num_heads))
+        for layer in self.down:
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
+
+    def hidden(self, k: int, f: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Head k's state [N, H] (float32) from f [N, H] and the k tokens after f's token
+        [N, k]. The heads' own weights are float32 (trained so); the target's matrices stay in
+        the dtype they are served in."""
+        f = f.float()
+        grounded = torch.cat((f, self.embed[tokens].float().flatten(1)), dim=-1)
+        return f + self.down[k - 1](F.silu(self.up[k - 1](grounded)))
+
+    def logits(self, k: int, f: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Head k's logits [N, V] (float32), through the target's LM head."""
+        h = self.hidden(k, f, tokens)
+        return (h.to(self.lm_head.dtype) @ self.lm_head.T).float()
