@@ -230,9 +230,9 @@ def cmd_heads(args: argparse.Namespace) -> int:
             if args.action == "extract":
                 return 0
         out = args.out or Path(settings.cache_dir) / "heads" / settings.model / \
-            f"heads-{args.heads}"
+            f"heads-{args.heads}{'-ungrounded' if args.ungrounded else ''}"
         result = train.train(settings, hidden, out, args.heads, lr=args.lr,
-                             max_seconds=args.seconds)
+                             max_seconds=args.seconds, grounded=not args.ungrounded)
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -399,6 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=Path, help="train on this hidden-states folder")
     p.add_argument("--heads", type=int, default=3, help="heads to train (train) [3]")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (train) [1e-3]")
+    p.add_argument("--ungrounded", action="store_true",
+                   help="Medusa's heads on the hidden state alone, the paper's baseline (train)")
     add_setting_flags(p, "heads")
     p.set_defaults(func=cmd_heads)
 

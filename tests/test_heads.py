@@ -99,6 +99,11 @@ def test_a_new_head_reads_the_targets_own_distribution(hf_target):
         heads.down[1].weight.normal_()
     other = torch.tensor([[1, 9], [3, 9], [5, 9]])  # grounded: the drafted tokens change it
     assert not torch.equal(heads.logits(2, f, tokens), heads.logits(2, f, other))
+    medusa = GroundedHeads(embed.shape[1], 2, embed, head, grounded=False)
+    with torch.no_grad():
+        medusa.down[1].weight.normal_()
+    assert medusa.up[1].in_features == embed.shape[1]  # Medusa's heads: f alone
+    assert torch.equal(medusa.logits(2, f, tokens), medusa.logits(2, f, other))
 
 
 def test_training_writes_heads_with_held_out_accuracy_and_resumes(base_settings, corpus,

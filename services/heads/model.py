@@ -23,15 +23,16 @@ from torch.nn import functional as F
 
 class GroundedHeads(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, embed: torch.Tensor,
-                 lm_head: torch.Tensor) -> None:
-        """`embed` [V, H] and `lm_head` [V, H]: the target's (kept frozen, not trained)."""
+                 lm_head: torch.Tensor, grounded: bool = True) -> None:
+        """`embed` [V, H] and `lm_head` [V, H]: the target's (kept frozen, not trained).
+        `grounded=False`: Medusa's heads, on f_t alone (the paper's baseline)."""
         super().__init__()
         if num_heads < 1:
             raise ValueError("need at least one head")
-        self.hidden_size, self.num_heads = hidden_size, num_heads
+        self.hidden_size, self.num_heads, self.grounded = hidden_size, num_heads, grounded
         self.register_buffer("embed", embed.detach(), persistent=False)
         self.register_buffer("lm_head", lm_head.detach(), persistent=False)
-        self.up = nn.ModuleList(nn.Linear(hidden_size * (k + 1), hidden_size)
+        self.up = nn.ModuleList(nn.Linear(hidden_size * (k + 1 if grounded else 1), hidden_size)
                                 for k in range(1, num_heads + 1))
         self.down = nn.ModuleList(nn.Linear(hidden_size, hidden_size)
                                   for _ in range(num_heads))
@@ -44,7 +45,8 @@ class GroundedHeads(nn.Module):
         [N, k]. The heads' own weights are float32 (trained so); the target's matrices stay in
         the dtype they are served in."""
         f = f.float()
-        grounded = torch.cat((f, self.embed[tokens].float().flatten(1)), dim=-1)
+        grounded = (torch.cat((f, self.embed[tokens].float().flatten(1)), dim=-1)
+                    if self.grounded else f)
         return f + self.down[k - 1](F.silu(self.up[k - 1](grounded)))
 
     def logits(self, k: int, f: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

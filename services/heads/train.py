@@ -99,7 +99,7 @@ def accuracy(heads: GroundedHeads, data: tuple[torch.Tensor, ...], batch: int = 
 def train(settings: Settings, hidden_dir: Path, out: Path, num_heads: int = 3,
           batch: int = 256, lr: float = 1e-3, warmup: int = 50, max_tokens: int | None = None,
           max_seconds: float | None = None, checkpoint_every: int = 200, seed: int = 0,
-          progress: bool = True) -> dict:
+          grounded: bool = True, progress: bool = True) -> dict:
     """Trains `num_heads` grounded heads for one pass over the cached hidden states (at most
     `max_tokens` examples, `max_seconds`); writes and returns heads.json's content."""
     meta = extract.load_meta(hidden_dir)
@@ -113,7 +113,7 @@ def train(settings: Settings, hidden_dir: Path, out: Path, num_heads: int = 3,
     out.mkdir(parents=True, exist_ok=True)
     embed, head = target_matrices(settings)
     torch.manual_seed(seed)
-    heads = GroundedHeads(meta["hidden_size"], num_heads, embed, head)
+    heads = GroundedHeads(meta["hidden_size"], num_heads, embed, head, grounded)
     data = examples(hidden_dir, num_heads, held_out=False)
     held = examples(hidden_dir, num_heads, held_out=True)
     total = data[0].shape[0] if max_tokens is None else min(max_tokens, data[0].shape[0])
@@ -127,7 +127,8 @@ def train(settings: Settings, hidden_dir: Path, out: Path, num_heads: int = 3,
     step = 0
     if (out / CHECKPOINT).is_file():
         saved = torch.load(out / CHECKPOINT, weights_only=False)
-        if saved["steps"] == steps and saved["num_heads"] == num_heads:
+        if (saved["steps"], saved["num_heads"], saved.get("grounded", True)) == (
+                steps, num_heads, grounded):
             heads.load_state_dict(saved["heads"])
             optimizer.load_state_dict(saved["optimizer"])
             schedule.load_state_dict(saved["schedule"])
@@ -152,14 +153,15 @@ def train(settings: Settings, hidden_dir: Path, out: Path, num_heads: int = 3,
                 bar.update()
                 bar.set_postfix(loss=f"{loss.detach().item():.3f}")
             if step % checkpoint_every == 0 and step < steps:
-                _save_checkpoint(out, heads, optimizer, schedule, step, steps, num_heads)
+                _save_checkpoint(out, heads, optimizer, schedule, step, steps, num_heads,
+                                 grounded)
     finally:
         if bar is not None:
             bar.close()
     if step < steps:  # the time budget ran out: resumable from here
-        _save_checkpoint(out, heads, optimizer, schedule, step, steps, num_heads)
+        _save_checkpoint(out, heads, optimizer, schedule, step, steps, num_heads, grounded)
     result = {"model": settings.model, "tokenizer": meta["tokenizer"],
-              "hidden_size": meta["hidden_size"], "num_heads": num_heads,
+              "hidden_size": meta["hidden_size"], "num_heads": num_heads, "grounded": grounded,
               "tokens_seen": min(step * batch, total), "steps": step, "of_steps": steps,
               "complete": step >= steps, "held_out_examples": int(held[0].shape[0]),
               "accuracy": accuracy(heads, held), "hidden_states": str(hidden_dir),
@@ -170,11 +172,12 @@ def train(settings: Settings, hidden_dir: Path, out: Path, num_heads: int = 3,
     return result
 
 
-def _save_checkpoint(out, heads, optimizer, schedule, step, steps, num_heads) -> None:
+def _save_checkpoint(out, heads, optimizer, schedule, step, steps, num_heads,
+                     grounded) -> None:
     tmp = out / f".{CHECKPOINT}.tmp"
     torch.save({"heads": heads.state_dict(), "optimizer": optimizer.state_dict(),
                 "schedule": schedule.state_dict(), "step": step, "steps": steps,
-                "num_heads": num_heads}, tmp)
+                "num_heads": num_heads, "grounded": grounded}, tmp)
     os.replace(tmp, out / CHECKPOINT)
 
 
