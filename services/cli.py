@@ -232,7 +232,8 @@ def cmd_heads(args: argparse.Namespace) -> int:
         out = args.out or Path(settings.cache_dir) / "heads" / settings.model / \
             f"heads-{args.heads}{'-ungrounded' if args.ungrounded else ''}"
         result = train.train(settings, hidden, out, args.heads, lr=args.lr,
-                             max_seconds=args.seconds, grounded=not args.ungrounded)
+                             max_tokens=args.tokens, max_seconds=args.seconds,
+                             grounded=not args.ungrounded)
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -389,7 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--corpus", default="sharegpt",
                    help="'sharegpt', or a .json / .jsonl file of conversations [sharegpt]")
     p.add_argument("--tokens", type=int, default=1_000_000,
-                   help="stop after this many tokens (whole conversations) [1000000]")
+                   help="extract: stop after this many tokens (whole conversations); train: "
+                        "at most this many examples, drawn from all the cached ones [1000000]")
     p.add_argument("--seconds", type=float, help="stop after the shard in progress at this time")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per window [512]")
     p.add_argument("--batch", type=int, default=8, help="windows per forward [8]")
