@@ -215,19 +215,18 @@ def cmd_heads(args: argparse.Namespace) -> int:
 
     setup_logging("WARNING")
     settings = settings_from(args)
-    hidden = (args.hidden if args.action == "train" and args.hidden else
-              extract.default_dir(settings, args.corpus, args.seq_len))
+    extracting = args.action == "extract"
+    hidden = args.hidden if not extracting and args.hidden else (
+        args.out if extracting and args.out else
+        extract.default_dir(settings, args.corpus, args.seq_len))
     try:
-        if args.action == "extract" or not args.hidden:
-            meta = extract.extract(settings, args.tokens, args.corpus, args.out if
-                                   args.action == "extract" else None, args.seq_len,
-                                   args.batch,
-                                   max_seconds=args.seconds if args.action == "extract" else None)
-            where = args.out if args.action == "extract" and args.out else hidden
-            print(f"hidden states {where}\n  {meta['tokens']:,} tokens of "
+        if extracting or not args.hidden:  # `train` extracts first unless --hidden is given
+            meta = extract.extract(settings, args.tokens, args.corpus, hidden, args.seq_len,
+                                   args.batch, max_seconds=args.seconds if extracting else None)
+            print(f"hidden states {hidden}\n  {meta['tokens']:,} tokens of "
                   f"{meta['records']:,} conversations in {len(meta['shards'])} shards"
                   + (" (the whole corpus)" if meta["complete"] else ""))
-            if args.action == "extract":
+            if extracting:
                 return 0
         out = args.out or Path(settings.cache_dir) / "heads" / settings.model / \
             f"heads-{args.heads}{'-ungrounded' if args.ungrounded else ''}"

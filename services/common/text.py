@@ -25,15 +25,8 @@ class TextStream:
         """Adds one token; returns True when a stop sequence matched (the text now ends before it)."""
         if self.stopped:
             raise RuntimeError("TextStream already stopped")
-        self.ids.append(token_id)
-        before = self._decode(self.ids[self._prefix:self._read])
-        after = self._decode(self.ids[self._prefix:])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            start = len(self.text)
-            self.text += after[len(before):]
-            self._prefix, self._read = self._read, len(self.ids)
-            return self._check_stop(start)
-        return False
+        start = self._advance([token_id])
+        return False if start is None else self._check_stop(start)
 
     def extend(self, token_ids: Sequence[int]) -> None:
         """Adds a step's tokens at once: two decodes for the step instead of two per token.
@@ -42,14 +35,21 @@ class TextStream:
             raise RuntimeError("a stream with stop sequences takes its tokens one by one (push)")
         if self.stopped:
             raise RuntimeError("TextStream already stopped")
-        if not token_ids:
-            return
+        if token_ids:
+            self._advance(token_ids)
+
+    def _advance(self, token_ids: Sequence[int]) -> int | None:
+        """Appends the tokens and the text they complete; returns where that text starts in
+        `text`, None while it is still an incomplete UTF-8 sequence."""
         self.ids.extend(token_ids)
         before = self._decode(self.ids[self._prefix:self._read])
         after = self._decode(self.ids[self._prefix:])
         if len(after) > len(before) and not after.endswith("\ufffd"):
+            start = len(self.text)
             self.text += after[len(before):]
             self._prefix, self._read = self._read, len(self.ids)
+            return start
+        return None
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""

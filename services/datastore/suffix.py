@@ -124,6 +124,26 @@ def write_meta(path: Path, meta: dict) -> None:
     os.replace(tmp, Path(path) / "meta.json")
 
 
+def first_token_starts(tokens: np.ndarray) -> list[int]:
+    """starts[t]: the first suffix-array row whose suffix starts with a token >= t, for t up to
+    the largest token + 1 (the suffixes are sorted by their first token, so it is the number of
+    positions holding a smaller token: a histogram's running sum, ~0.1 s for 28M tokens). A
+    one-token prefix's range is then read, not searched, and a longer one is searched within
+    its first token's range: ~10-20 steps instead of ~25, each a random read of both arrays.
+    Empty when the ids are too large for a table (no tokenizer's are): every search then spans
+    the whole array."""
+    counts = np.zeros(1, np.int64)
+    for at in range(0, tokens.size, 1 << 23):  # bounded temporaries
+        chunk = tokens[at:at + (1 << 23)]
+        chunk = chunk[chunk != SEPARATOR]
+        if chunk.size and int(chunk.max()) >= MAX_TABLE_TOKEN:
+            return []
+        part = np.bincount(chunk, minlength=counts.size)
+        part[:counts.size] += counts
+        counts = part
+    return np.concatenate([[0], np.cumsum(counts)]).tolist()
+
+
 class SuffixDatastore:
     """A built datastore, memory-mapped (see the module docstring)."""
 
@@ -139,8 +159,7 @@ class SuffixDatastore:
         self._sa_view = (memoryview(np.asarray(sa)).cast("B").cast("i" if sa.itemsize == 4
                                                                     else "q")
                          if native else None)
-        self._starts: list[int] | None = None
-        self.first_token_starts()
+        self._starts = first_token_starts(np.asarray(tokens))
 
     @classmethod
     def open(cls, path: Path) -> SuffixDatastore:
@@ -174,8 +193,8 @@ class SuffixDatastore:
         b = len(prefixes)
         if b <= SCALAR_PREFIXES and self._sa_view is not None:
             found = [self._find_one(list(p)) for p in prefixes]
-            return (np.array([lo for lo, _ in found], np.int64).reshape(b),
-                    np.array([hi for _, hi in found], np.int64).reshape(b))
+            return (np.array([lo for lo, _ in found], np.int64),
+                    np.array([hi for _, hi in found], np.int64))
         lengths = np.fromiter((len(p) for p in prefixes), np.int64, count=b)
         width = int(lengths.max(initial=0))
         if width == 0:  # an empty prefix matches every suffix
@@ -187,29 +206,6 @@ class SuffixDatastore:
                               upper=np.repeat([False, True], b))
         return bounds[:b], bounds[b:]
 
-    def first_token_starts(self) -> list[int]:
-        """starts[t]: the first suffix-array row whose suffix starts with a token >= t, for t up
-        to the largest token + 1 (the suffixes are sorted by their first token, so it is the
-        number of positions holding a smaller token: a histogram's running sum, built when the
-        store is opened, ~0.5 s for 28M tokens). A one-token prefix's range is then read, not
-        searched, and a longer one is searched within its first token's range: ~10-20 steps
-        instead of ~25, each a random read of both arrays. Empty when the ids are too large
-        for a table (no tokenizer's are): every search then spans the whole array."""
-        if self._starts is None:
-            tokens = np.asarray(self.tokens)
-            counts = np.zeros(1, np.int64)
-            for at in range(0, tokens.size, 1 << 23):  # bounded temporaries
-                chunk = tokens[at:at + (1 << 23)]
-                chunk = chunk[chunk != SEPARATOR]
-                if chunk.size and int(chunk.max()) >= MAX_TABLE_TOKEN:
-                    self._starts = []
-                    return self._starts
-                part = np.bincount(chunk, minlength=counts.size)
-                part[:counts.size] += counts
-                counts = part
-            self._starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
-        return self._starts
-
     def _find_one(self, prefix: list[int]) -> tuple[int, int]:
         """One prefix's range by `bisect` over the suffix array within its first token's rows,
         keyed by each suffix's first len(prefix) tokens as a list (list order is the
@@ -217,7 +213,7 @@ class SuffixDatastore:
         first, as in `_bounds`)."""
         if not prefix:
             return 0, len(self)
-        starts, first = self.first_token_starts(), prefix[0]
+        starts, first = self._starts, prefix[0]
         if not starts:
             lo, hi = 0, len(self)
         elif not 0 <= first < len(starts) - 1:  # a token the corpus never holds

@@ -193,6 +193,15 @@ def load_meta(out: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def require_meta(out: Path) -> dict:
+    """meta.json of a hidden-states folder, or a clear error where there is none."""
+    meta = load_meta(out)
+    if meta is None:
+        raise FileNotFoundError(f"{out} holds no hidden states: run `specmesh heads extract` "
+                                f"first")
+    return meta
+
+
 def load_shard(out: Path, entry: dict) -> dict[str, torch.Tensor]:
     """One shard's tensors (tokens, hidden, starts)."""
     from safetensors.torch import load_file

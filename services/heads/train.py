@@ -42,10 +42,7 @@ except ImportError:  # progress bars are optional
 def examples(hidden_dir: Path, num_heads: int, held_out: bool) -> tuple[torch.Tensor, ...]:
     """(f [N, H] bf16, inputs [N, K] long, targets [N, K] long) of the training windows
     (`held_out`: of the held-out ones), in data order."""
-    meta = extract.load_meta(hidden_dir)
-    if meta is None:
-        raise FileNotFoundError(f"{hidden_dir} holds no hidden states: run `specmesh heads "
-                                f"extract` first")
+    meta = extract.require_meta(hidden_dir)
     fs, inputs, targets = [], [], []
     window = 0
     for entry in meta["shards"]:
@@ -102,10 +99,7 @@ def train(settings: Settings, hidden_dir: Path, out: Path, num_heads: int = 3,
           grounded: bool = True, progress: bool = True) -> dict:
     """Trains `num_heads` grounded heads for one pass over the cached hidden states (at most
     `max_tokens` examples, `max_seconds`); writes and returns heads.json's content."""
-    meta = extract.load_meta(hidden_dir)
-    if meta is None:
-        raise FileNotFoundError(f"{hidden_dir} holds no hidden states: run `specmesh heads "
-                                f"extract` first")
+    meta = extract.require_meta(hidden_dir)
     if meta["model"] != settings.model:
         raise extract.HiddenStatesMismatch(
             f"{hidden_dir} holds hidden states of {meta['model']}, not {settings.model}")
@@ -120,8 +114,7 @@ def train(settings: Settings, hidden_dir: Path, out: Path, num_heads: int = 3,
     steps = max(math.ceil(total / batch), 1)
     order = torch.randperm(data[0].shape[0], generator=torch.Generator().manual_seed(seed))
     order = order[:total]
-    params = [p for p in heads.parameters() if p.requires_grad]
-    optimizer = torch.optim.Adam(params, lr=lr, betas=(0.9, 0.99))
+    optimizer = torch.optim.Adam(heads.parameters(), lr=lr, betas=(0.9, 0.99))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup)
                                                  * 0.5 * (1 + math.cos(math.pi * s / steps)))
     step = 0
