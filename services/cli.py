@@ -219,6 +219,21 @@ def cmd_heads(args: argparse.Namespace) -> int:
     hidden = args.hidden if not extracting and args.hidden else (
         args.out if extracting and args.out else
         extract.default_dir(settings, args.corpus, args.seq_len))
+    default_out = Path(settings.cache_dir) / "heads" / settings.model / \
+        f"heads-{args.heads}{'-ungrounded' if args.ungrounded else ''}" \
+        f"{'-data' if args.targets == 'data' else ''}"
+    if args.action == "export":
+        if args.out is None:
+            print("error: export needs --out FOLDER", file=sys.stderr)
+            return 2
+        try:
+            meta = train.export(args.source or default_out, args.out)
+        except FileNotFoundError as err:
+            print(f"error: {err} (train heads first: specmesh heads train)", file=sys.stderr)
+            return 2
+        print(f"heads {args.out}: {meta['num_heads']} heads of {meta['model']}, "
+              f"{meta['weights_dtype']} weights")
+        return 0
     try:
         if extracting or not args.hidden:  # `train` extracts first unless --hidden is given
             meta = extract.extract(settings, args.tokens, args.corpus, hidden, args.seq_len,
@@ -228,18 +243,21 @@ def cmd_heads(args: argparse.Namespace) -> int:
                   + (" (the whole corpus)" if meta["complete"] else ""))
             if extracting:
                 return 0
-        out = args.out or Path(settings.cache_dir) / "heads" / settings.model / \
-            f"heads-{args.heads}{'-ungrounded' if args.ungrounded else ''}"
+        out = args.out or default_out
         result = train.train(settings, hidden, out, args.heads, lr=args.lr,
                              max_tokens=args.tokens, max_seconds=args.seconds,
-                             grounded=not args.ungrounded)
+                             grounded=not args.ungrounded, vocab=args.vocab,
+                             soft=args.targets == "soft")
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     state = "" if result["complete"] else " (stopped by --seconds: run again to resume)"
     print(f"heads {out}{state}\n  {result['tokens_seen']:,} examples in "
           f"{result['seconds']:.0f} s; held-out accuracy (top-1 / top-5): " + ", ".join(
-              f"head {a['head']} {a['top1']:.3f} / {a['top5']:.3f}" for a in result["accuracy"]))
+              f"head {a['head']} {a['top1']:.3f} / {a['top5']:.3f}" for a in result["accuracy"])
+          + "\n  agreement with the target's greedy token (top-1 / top-5): " + ", ".join(
+              f"head {a['head']} {a['agree1']:.3f} / {a['agree5']:.3f}"
+              for a in result["accuracy"]))
     return 0
 
 
@@ -384,8 +402,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "  train    extract (unless --hidden names a folder), then train --heads "
                     "grounded\n           heads on it for one pass (Hydra 4.1); writes "
                     "heads.safetensors + heads.json\n           (held-out top-1 / top-5 per "
-                    "head); --seconds stops it resumably")
-    p.add_argument("action", choices=["extract", "train"])
+                    "head); --seconds stops it resumably\n"
+                    "  export   copy trained heads (--from FOLDER, or the ones train writes by"
+                    "\n           default) to --out with bfloat16 weights (half the size)")
+    p.add_argument("action", choices=["extract", "train", "export"])
     p.add_argument("--corpus", default="sharegpt",
                    help="'sharegpt', or a .json / .jsonl file of conversations [sharegpt]")
     p.add_argument("--tokens", type=int, default=1_000_000,
@@ -398,10 +418,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output folder [extract: <cache_dir>/heads/<model>/hidden-<corpus>-"
                         "<seq-len>; train: <cache_dir>/heads/<model>/heads-<heads>]")
     p.add_argument("--hidden", type=Path, help="train on this hidden-states folder")
+    p.add_argument("--from", dest="source", type=Path,
+                   help="export: the trained heads' folder [the one train writes by default]")
     p.add_argument("--heads", type=int, default=3, help="heads to train (train) [3]")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (train) [1e-3]")
     p.add_argument("--ungrounded", action="store_true",
                    help="Medusa's heads on the hidden state alone, the paper's baseline (train)")
+    p.add_argument("--vocab", type=int, default=16384,
+                   help="the heads guess only the N most frequent tokens of the training data "
+                        "(and the special tokens): each of their products reads N rows of the "
+                        "LM head; 0 = the whole vocabulary (train) [16384]")
+    p.add_argument("--targets", choices=["soft", "data"], default="soft",
+                   help="soft: learn the target's own distribution of each token (distilled "
+                        "from the cached hidden states: what a verification accepts); data: the "
+                        "corpus' token, as Hydra trains (train) [soft]")
     add_setting_flags(p, "heads")
     p.set_defaults(func=cmd_heads)
 

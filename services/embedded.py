@@ -20,6 +20,7 @@ from specmesh_gateway.requests import ServedModel
 from specmesh_gateway.servicer import GatewayServicer
 from specmesh_services.common import models, serving
 from specmesh_services.common.config import Settings
+from specmesh_services.common.drafts import router_drafters, serves_drafter
 from specmesh_services.common.pool import MemoryPool
 from specmesh_services.common.rpc import LocalStub
 from specmesh_services.datastore.engine import LookupEngine, open_for_target
@@ -62,7 +63,7 @@ class EmbeddedMesh:
                                           settings.cache_dir)
         tokenizer = models.load_tokenizer(path)
         target = await loop.run_in_executor(executor, load_target, settings)
-        use_model = settings.speculation.source != "datastore"
+        use_model = serves_drafter(settings)
         drafts = (await loop.run_in_executor(executor, build_draft_models, settings)
                   if use_model else [])
         datastore = None
@@ -70,15 +71,18 @@ class EmbeddedMesh:
             store = open_for_target(settings, tokenizer)
             datastore = DatastoreServicer(LookupEngine(store, settings.datastore), executor)
         pool = MemoryPool()
-        worker = VerifierWorker(build_engine(target, settings, "verifier-embedded"), pool, executor,
-                                settings.verifier)
+        engine = await loop.run_in_executor(executor, build_engine, target, settings,
+                                            "verifier-embedded")
+        worker = VerifierWorker(engine, pool, executor, settings.verifier)
         drafter = DrafterServicer(drafts, executor) if use_model else None
         info = TargetInfo(settings.model, target.vocab_size, target.context_length,
                           tuple(models.eos_token_ids(path, tokenizer)))
+        first, names = router_drafters(settings,
+                                       list(drafter.models) if drafter else None)
         router = Router(pool, LocalStub(drafter) if drafter else None, tokenizer, info,
                         settings.speculation, settings.router,
                         datastore=LocalStub(datastore) if datastore else None,
-                        drafter_names=list(drafter.models) if drafter else None,
+                        drafter_name=first, drafter_names=names,
                         drafter_costs={m.name: m.level_seconds for m in drafts})
         served = ServedModel(settings.model, tokenizer, target.context_length,
                              settings.max_tokens_default, settings.max_tokens_limit)

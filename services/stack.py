@@ -24,8 +24,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specmesh_services.common import models
 from specmesh_services.common.config import Settings
+from specmesh_services.common.drafts import model_specs, serves_drafter
 from specmesh_services.common.procs import free_port, orphan_guard, pid_alive
-from specmesh_services.drafter.models import DraftSpec, draft_specs
+from specmesh_services.drafter.models import DraftSpec
 
 START_TIMEOUT_S = 300.0
 
@@ -94,7 +95,7 @@ class Stack:
                                            drafter_address=f"127.0.0.1:{ports['drafter']}",
                                            datastore_address=f"127.0.0.1:{ports['datastore']}")
         source = settings.speculation.source
-        drafting = tuple(role for role, used in (("drafter", source != "datastore"),
+        drafting = tuple(role for role, used in (("drafter", serves_drafter(settings)),
                                                  ("datastore", source != "model")) if used)
         for group in (("verifier", *drafting), ("router",), ("gateway",)):
             started = [self.spawn(role, ports[role], settings) for role in group]
@@ -161,7 +162,7 @@ def prepare(settings: Settings) -> None:
     settings = models.served(settings)
     names = [settings.model]
     if settings.speculation.source != "datastore":
-        drafts = [DraftSpec.parse(s) for s in draft_specs(settings)]
+        drafts = [DraftSpec.parse(s) for s in model_specs(settings)]
         names += [d.base for d in drafts if d.layers is None]
     for name in names:
         models.resolve(name, settings.cache_dir)

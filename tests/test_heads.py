@@ -126,7 +126,30 @@ def test_training_writes_heads_with_held_out_accuracy_and_resumes(base_settings,
     assert all(0 <= a["top1"] <= a["top5"] <= 1 for a in saved["accuracy"])
     weights = load_file(str(tmp_path / "k" / "heads.safetensors"))
     assert set(weights) == {"up.0.weight", "up.0.bias", "up.1.weight", "up.1.bias",
-                            "down.0.weight", "down.0.bias", "down.1.weight", "down.1.bias"}
+                            "down.0.weight", "down.0.bias", "down.1.weight", "down.1.bias",
+                            "vocab"}
     with pytest.raises(extract.HiddenStatesMismatch, match="not qwen"):
         train.train(base_settings.with_overrides(model="qwen2.5-coder-0.5b"), tmp_path / "h",
                     tmp_path / "q", progress=False)
+
+
+def test_draft_vocabulary_and_distillation(base_settings, corpus, tmp_path, tokenizer):
+    from safetensors.torch import load_file
+
+    from specmesh_services.heads import train
+
+    run(base_settings, corpus, tmp_path / "h")
+    data = train.examples(tmp_path / "h", 2, held_out=False)
+    counts = torch.bincount(data.targets[:, 0], minlength=tokenizer.vocab_size)
+    special = tokenizer.all_special_ids
+    keep = train.draft_vocab(data, 10, counts.numel(), special)
+    assert keep.tolist() == sorted(keep.tolist()) and set(special) <= set(keep.tolist())
+    top = sorted(range(counts.numel()), key=lambda t: (-int(counts[t]), t))[:10]
+    assert set(top) <= set(keep.tolist()) and len(keep) <= 10 + len(special)
+    done = train.train(base_settings, tmp_path / "h", tmp_path / "k", num_heads=2, batch=8,
+                       vocab=10, soft=True, progress=False)
+    assert done["complete"] and done["vocab"] == len(keep) and done["targets"] == "soft"
+    assert load_file(str(tmp_path / "k" / "heads.safetensors"))["vocab"].tolist() == \
+        keep.tolist()
+    for a in done["accuracy"]:  # guesses only from the vocabulary: against data and target
+        assert 0 <= a["top1"] <= a["top5"] <= 1 and 0 <= a["agree1"] <= a["agree5"] <= 1

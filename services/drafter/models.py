@@ -20,6 +20,7 @@ import torch
 from specmesh_kernels.linear import draft_weights, pack_linears, quantize_linears
 from specmesh_services.common import datastore_files, models
 from specmesh_services.common.config import Settings
+from specmesh_services.common.drafts import model_specs
 from specmesh_services.common.lm import CausalLM
 from specmesh_services.drafter.engine import DraftModel
 from specmesh_services.drafter.lean import LeanLM
@@ -27,13 +28,6 @@ from specmesh_services.drafter.lean import supports as lean_supports
 from specmesh_services.drafter.vocab import frequent_tokens, restrict_vocab, token_counts
 
 log = logging.getLogger(__name__)
-
-
-def draft_specs(settings: Settings) -> list[str]:
-    if settings.drafters:
-        return list(settings.drafters)
-    source = models.REGISTRY.get(settings.model)
-    return [source.default_draft if source else "layers:8"]
 
 
 WEIGHTS = ("int8", "int4", "auto")  # what may follow '@' in a spec
@@ -135,7 +129,7 @@ def build_draft_models(settings: Settings) -> list[DraftModel]:
     # one vocabulary for every draft: the target's tokens, counted once
     keep = draft_vocabulary(settings, target_path) if settings.draft_vocab else None
     out = []
-    for name in draft_specs(settings):
+    for name in model_specs(settings):
         spec = DraftSpec.parse(name)
         label = name
         if spec.layers is not None:

@@ -13,6 +13,11 @@ is an MLP with one hidden layer of the model's width (the paper's shape) added t
 (`h = f_t + W2 silu(W1 input)`, W2 zero at start: a new head starts as the target's own
 next-token distribution), read out by the target's LM head, shared and frozen. The residual
 and the zero start are Medusa's head design, which Hydra's heads keep.
+
+Optionally the LM head keeps only the rows of a draft vocabulary (`vocab`: the most frequent
+tokens, as FR-Spec restricts a draft model's head): the heads then guess only those tokens, and
+each of their matrix products reads a fraction of the LM head. Logits are over `vocab`'s
+columns then (`columns` maps token ids to them).
 """
 from __future__ import annotations
 
@@ -23,15 +28,28 @@ from torch.nn import functional as F
 
 class GroundedHeads(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, embed: torch.Tensor,
-                 lm_head: torch.Tensor, grounded: bool = True) -> None:
+                 lm_head: torch.Tensor, grounded: bool = True,
+                 vocab: torch.Tensor | None = None) -> None:
         """`embed` [V, H] and `lm_head` [V, H]: the target's (kept frozen, not trained).
-        `grounded=False`: Medusa's heads, on f_t alone (the paper's baseline)."""
+        `grounded=False`: Medusa's heads, on f_t alone (the paper's baseline). `vocab`: sorted
+        token ids the LM head keeps (None: all V)."""
         super().__init__()
         if num_heads < 1:
             raise ValueError("need at least one head")
         self.hidden_size, self.num_heads, self.grounded = hidden_size, num_heads, grounded
+        size = lm_head.shape[0]
+        if vocab is None:
+            vocab = torch.arange(size)
+        vocab = vocab.long()
+        if vocab.numel() == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= size:
+            raise ValueError(f"draft vocabulary ids must lie in [0, {size})")
+        self.register_buffer("vocab", vocab.clone())  # saved with the weights
+        columns = torch.full((size,), -1, dtype=torch.long)
+        columns[vocab] = torch.arange(vocab.numel())
+        self.register_buffer("columns", columns, persistent=False)  # token id -> column (-1)
         self.register_buffer("embed", embed.detach(), persistent=False)
-        self.register_buffer("lm_head", lm_head.detach(), persistent=False)
+        self.register_buffer("lm_head", lm_head.detach()[vocab] if vocab.numel() < size
+                             else lm_head.detach(), persistent=False)
         self.up = nn.ModuleList(nn.Linear(hidden_size * (k + 1 if grounded else 1), hidden_size)
                                 for k in range(1, num_heads + 1))
         self.down = nn.ModuleList(nn.Linear(hidden_size, hidden_size)
@@ -41,15 +59,17 @@ class GroundedHeads(nn.Module):
             nn.init.zeros_(layer.bias)
 
     def hidden(self, k: int, f: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """Head k's state [N, H] (float32) from f [N, H] and the k tokens after f's token
-        [N, k]. The heads' own weights are float32 (trained so); the target's matrices stay in
-        the dtype they are served in."""
-        f = f.float()
-        grounded = (torch.cat((f, self.embed[tokens].float().flatten(1)), dim=-1)
+        """Head k's state [N, H] from f [N, H] and the k tokens after f's token [N, k], in
+        the heads' own dtype (float32 in training; the target's matrices stay in the dtype
+        they are served in)."""
+        dtype = self.down[k - 1].weight.dtype
+        f = f.to(dtype)
+        grounded = (torch.cat((f, self.embed[tokens].to(dtype).flatten(1)), dim=-1)
                     if self.grounded else f)
         return f + self.down[k - 1](F.silu(self.up[k - 1](grounded)))
 
     def logits(self, k: int, f: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """Head k's logits [N, V] (float32), through the target's LM head."""
+        """Head k's logits [N, columns] (float32), through the target's LM head (its rows of
+        the draft vocabulary)."""
         h = self.hidden(k, f, tokens)
         return (h.to(self.lm_head.dtype) @ self.lm_head.T).float()

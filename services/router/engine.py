@@ -29,6 +29,7 @@ from opentelemetry import trace
 
 from specmesh_services.common import telemetry
 from specmesh_services.common.config import RouterSettings, SpeculationSettings
+from specmesh_services.common.drafts import HEADS
 from specmesh_services.common.pool import Pool
 from specmesh_services.common.sampling import SamplingParams
 from specmesh_services.common.text import TextStream
@@ -103,6 +104,10 @@ class Router:
         self.backpressure_waits = 0
         self._sizings: dict[str, TreeSizing] = {}  # per arm: step times, prior acceptance
         self.drafter_names = list(drafter_names or [drafter_name])
+        # the verifier's draft heads are one of the drafters: it drafts their tree for a
+        # request's next step with each result (DraftEntry.heads_nodes)
+        self.heads = (HEADS in self.drafter_names or drafter_name == HEADS) and \
+            speculation.source != "datastore"
         self.drafter_costs = dict(drafter_costs or {})  # 0 = not measured
         # majority vote (Minions 3.2) over every source: the configured arm with selection=fixed,
         # else one more arm for the selection
@@ -202,6 +207,8 @@ class Router:
         if arm == VOTE_ARM:
             return spec.max_nodes
         model_only = (spec.source == "model") if arm == FIXED_ARM else arm != DATASTORE_ARM
+        if HEADS in self.model_names(arm):  # the heads' trees: as wide as the node budget
+            model_only = False
         return spec.depth * spec.width if model_only else spec.max_nodes
 
     # result dispatch --------------------------------------------------------------------------
@@ -289,7 +296,7 @@ class Router:
     async def _release(self, request_id: str) -> None:
         try:
             await self.pool.delete_request(request_id)
-            if self.speculation.source != "datastore":
+            if self.speculation.source != "datastore" and self.drafter is not None:
                 await self.drafter.Release(
                     drafter_pb2.DraftReleaseRequest(request_ids=[request_id]))
             if self.datastore is not None and self.speculation.source != "model":
@@ -299,9 +306,10 @@ class Router:
             log.warning("releasing %s: %s", request_id, err)
 
     async def verify(self, request_id: str, step: int, base_len: int,
-                     tree: common_pb2.TokenTree, attributes: dict | None = None
-                     ) -> pool_pb2.VerifyResult:
-        """Submits one tree to the pool and waits for its result."""
+                     tree: common_pb2.TokenTree, attributes: dict | None = None,
+                     heads_nodes: int = 0) -> pool_pb2.VerifyResult:
+        """Submits one tree to the pool and waits for its result (with the heads' tree for
+        the next step when `heads_nodes`)."""
         future = asyncio.get_running_loop().create_future()
         self._waiting[(request_id, step)] = future
         try:
@@ -310,7 +318,8 @@ class Router:
                                      **(attributes or {})})
                 entry = pool_pb2.DraftEntry(request_id=request_id, step=step, base_len=base_len,
                                             tree=tree, reply_to=self.router_id,
-                                            trace_context=telemetry.inject())
+                                            trace_context=telemetry.inject(),
+                                            heads_nodes=heads_nodes)
                 await self.pool.submit(entry)
             try:
                 result = await asyncio.wait_for(future, self.settings.step_timeout_s)
@@ -355,6 +364,9 @@ class _RequestLoop:
         self.lookup_reset = True  # the next lookup sends the whole context
         self.vote: Vote | None = None  # this step's vote, when voting
         self.draft_seconds = 0.0  # drafters' time for this step's tree
+        # the verifier heads' tree for this step (drafted with the last result) and its time
+        self.heads_tree: common_pb2.TokenTree | None = None
+        self.heads_seconds = 0.0
         self.switch_seconds = 0.0  # of this step, the wait for a drafter prefill (a switch)
 
     def sizing(self, arm: str) -> RequestSizing:
@@ -402,7 +414,10 @@ class _RequestLoop:
                     {"specmesh.arm": arm or "", "specmesh.budget": choice.budget,
                      "specmesh.probe": choice.probe,
                      "specmesh.expected_length": choice.expected_length,
-                     "specmesh.drafters": drafters})
+                     "specmesh.drafters": drafters},
+                    heads_nodes=self._heads_nodes(choice))
+            self.heads_tree = result.heads_tree if result.HasField("heads_tree") else None
+            self.heads_seconds = result.heads_seconds
             emitted = [*result.accepted, result.bonus]
             seconds = time.perf_counter() - started
             sizing = self.sizing(arm or FIXED_ARM)
@@ -469,8 +484,9 @@ class _RequestLoop:
         """Whether the arm's tree is one draft model's chain under a confidence stop, which
         sizes itself (`_full_chain`)."""
         spec = self.router.speculation
+        names = self.router.model_names(arm)
         return (self.sizing(arm).shared.mode == "adaptive" and spec.width == 1
-                and spec.min_probability > 0 and len(self.router.model_names(arm)) == 1
+                and spec.min_probability > 0 and len(names) == 1 and names != [HEADS]
                 and not self._uses_datastore(arm) and not self._votes(arm))
 
     def _full_chain(self, arm: str, choice: StepChoice) -> StepChoice:
@@ -489,6 +505,28 @@ class _RequestLoop:
         curve = sizing.profile.expected_tokens(depth)
         return StepChoice(depth, curve[min(depth, len(curve) - 1)], choice.probe)
 
+    def _heads_nodes(self, choice: StepChoice) -> int:
+        """The node limit of the tree the verifier's heads draft with this step's result, for
+        the next step: none where that step would not draft with the heads (another arm, or
+        a plain step that is not a probe); else the node budget (fixed sizing), or twice this
+        step's (at least 2: the adaptive sizing grows it a probe at a time), and no more
+        levels than nodes: the heads' time grows with both."""
+        router = self.router
+        if not (router.heads and self.speculating):
+            return 0
+        arm = (router.selection.likely_arm(self.request_id) if router.selection is not None
+               else FIXED_ARM)
+        if arm is None or HEADS not in router.model_names(arm):
+            return 0
+        sizing = self.sizing(arm)
+        top = router.max_tree_nodes(arm)
+        if not sizing.shared.adaptive:
+            return top
+        off = sizing.runs_plain(router.in_flight, router.batch_share(self.request_id))
+        if off and not sizing.probes_next(off=True):
+            return 0
+        return min(top, max(2, 2 * choice.budget))
+
     def _votes(self, arm: str) -> bool:
         return arm == VOTE_ARM or (arm == FIXED_ARM and self.router.voter is not None)
 
@@ -500,7 +538,7 @@ class _RequestLoop:
                 self.router.in_flight, self.router.batch_share(self.request_id)):
             return
         for name in self.router.model_names(arm):
-            if name not in self.syncs:
+            if name not in self.syncs and name != HEADS:  # the heads need no prefill
                 self.syncs[name] = _DrafterSync(asyncio.create_task(
                     self._prefill_drafter(name, self.prompt + self.generated)))
 
@@ -560,6 +598,9 @@ class _RequestLoop:
         return tree
 
     async def _draft_model(self, name: str, budget: int) -> common_pb2.TokenTree:
+        if name == HEADS:  # drafted by the verifier with the last result
+            self.draft_seconds += self.heads_seconds
+            return self.heads_tree or common_pb2.TokenTree()
         sync = self.syncs[name]
         if sync.prefill_task is not None:
             waited = time.perf_counter()

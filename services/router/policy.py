@@ -306,6 +306,13 @@ class RequestSizing:
         size = self._optimum(self.profile.expected_tokens(shared.max_nodes), in_flight, others)
         return bool(size)
 
+    def probes_next(self, off: bool) -> bool:
+        """Whether the next `choose` is a probe step (`off`: of a request decoding plainly),
+        at the probing period; a drafter that must prepare its tree a step ahead (the
+        verifier's heads) drafts for it."""
+        every = self.shared.probe_every * (OFF_PROBE_SPACING if off else 1)
+        return bool(every) and (self._speculated + 1) % every == 0
+
     def runs_plain(self, in_flight: int, others: BatchShare = BatchShare()) -> bool:
         """Whether the measured costs and this request's profile say no tree of this arm pays
         now (the choice would be 0, probes aside). False while the costs are still being

@@ -10,6 +10,7 @@ from specmesh_services.common import models, pool as pool_mod, serving
 from specmesh_services.common.config import Settings
 from specmesh_services.common.rpc import channel, start_server
 from specmesh_services.common.datastore_files import tokenizer_family
+from specmesh_services.common.drafts import router_drafters, serves_drafter
 from specmesh_services.router.engine import Router, TargetInfo
 from specmesh_services.router.servicer import SERVICE_NAME, RouterServicer
 from specmesh.v1 import (datastore_pb2, datastore_pb2_grpc, drafter_pb2, drafter_pb2_grpc,
@@ -42,16 +43,16 @@ async def start(settings: Settings):
     path = models.resolve(settings.model, settings.cache_dir)
     tokenizer = models.load_tokenizer(path)
     pool = pool_mod.connect(settings.redis_url, settings.pool_prefix)
-    drafter_channel = channel(settings.drafter_address)
+    drafter_channel = channel(settings.drafter_address) if serves_drafter(settings) else None
     datastore_channel = datastore = None
     if settings.speculation.source != "model":
         datastore_channel = channel(settings.datastore_address)
         datastore = datastore_pb2_grpc.DatastoreStub(datastore_channel)
         await check_datastore(datastore, tokenizer, settings.router.step_timeout_s)
-    drafter = drafter_pb2_grpc.DrafterStub(drafter_channel)
+    drafter = drafter_pb2_grpc.DrafterStub(drafter_channel) if drafter_channel else None
     names, costs = None, None
     spec = settings.speculation
-    if spec.source != "datastore" and spec.depth > 0:
+    if drafter is not None and spec.depth > 0:
         needed = spec.selection != "fixed" or spec.voting  # the arms / the voters
         try:
             info = await drafter.Info(drafter_pb2.DrafterInfoRequest(),
@@ -65,9 +66,10 @@ async def start(settings: Settings):
         else:
             names = [m.name for m in info.models] if needed else None
             costs = {m.name: m.level_seconds for m in info.models}
+    first, names = router_drafters(settings, names)
     router = Router(pool, drafter, tokenizer, target_info(settings.model, path, tokenizer),
                     settings.speculation, settings.router, datastore=datastore,
-                    drafter_names=names, drafter_costs=costs)
+                    drafter_name=first, drafter_names=names, drafter_costs=costs)
     router.start()
     server, port = await start_server(
         [(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(router), SERVICE_NAME)],
@@ -75,7 +77,8 @@ async def start(settings: Settings):
 
     async def cleanup() -> None:
         await router.stop()
-        await drafter_channel.close()
+        if drafter_channel is not None:
+            await drafter_channel.close()
         if datastore_channel is not None:
             await datastore_channel.close()
         await pool.close()

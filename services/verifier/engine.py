@@ -128,6 +128,10 @@ class VerifierEngine:
         self.last_step: StepStats | None = None
         self.prefill_rows = 0
         self.evictions = 0
+        # draft heads (services/heads/draft.py) drafting each asking request's next tree right
+        # after its step, from the hidden state the step just computed
+        self.heads = None
+        self.heads_seconds = 0.0
 
     # request lifecycle ------------------------------------------------------------------------
     def ready_for(self, request_id: str, base_len: int) -> bool:
@@ -357,7 +361,30 @@ class VerifierEngine:
                 result.batch_nodes = step.outcome.batch_nodes
                 result.batch_rows = step.outcome.batch_rows
                 out.append((result, [*w.tokens, w.bonus]))
+        self._draft_heads(entries, out)
         return out
+
+    def _draft_heads(self, entries: list[pool_pb2.DraftEntry], out: list) -> None:
+        """Fills the heads' trees of the entries that asked for one, in one batch: each below
+        its step's bonus token, grounded on its last accepted token's final hidden state."""
+        if self.heads is None:
+            return
+        asked = [(entry, done[0]) for entry, done in zip(entries, out)
+                 if entry.heads_nodes and done is not None and not done[0].error]
+        asked = [(e, r) for e, r in asked
+                 if (req := self.requests.get(e.request_id)) is not None
+                 and req.hidden is not None and len(req.hidden)]
+        if not asked:
+            return
+        start = time.perf_counter()
+        hidden = torch.stack([self.requests[e.request_id].hidden[-1] for e, _ in asked])
+        trees = self.heads.draft(hidden, [r.bonus for _, r in asked],
+                                 [e.heads_nodes for e, _ in asked])
+        seconds = time.perf_counter() - start
+        self.heads_seconds += seconds
+        for (_, result), tree in zip(asked, trees):
+            result.heads_tree.CopyFrom(tree.to_pb())
+            result.heads_seconds = seconds / len(asked)
 
     def verify_entry(self, entry: pool_pb2.DraftEntry) -> tuple[pool_pb2.VerifyResult, list[int]]:
         """One entry alone (through prefill chunks)."""

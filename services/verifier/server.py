@@ -8,6 +8,7 @@ import torch
 
 from specmesh_services.common import models, pool as pool_mod, serving
 from specmesh_services.common.config import Settings
+from specmesh_services.common.drafts import heads_spec, serves_heads
 from specmesh_services.common.lean import LeanDecoder
 from specmesh_services.common.lean import supports as lean_supports
 from specmesh_services.common.lm import CausalLM
@@ -88,6 +89,15 @@ def build_engine(target: CausalLM | LeanDecoder, settings: Settings, name: str) 
                           max_batch_tokens=v.max_batch_tokens, max_batch_trees=v.batch_size)
     backend = select_attention_backend(target.device, v.attention, v.exact)
     engine = VerifierEngine(target, name, limits, backend)
+    if serves_heads(settings):
+        from specmesh_services.heads.draft import load_for_target
+
+        if not isinstance(target, LeanDecoder):
+            raise ValueError("draft heads need the lean target forward (target_runner=lean): "
+                             "it returns the final hidden states they read")
+        engine.heads = load_for_target(settings, heads_spec(settings))
+        log.info("draft heads %s: %d heads over %d tokens, %s weights", heads_spec(settings),
+                 engine.heads.depth, engine.heads.vocab.numel(), engine.heads.weights)
     log.info("verifier %s: KV budget %d rows (%.0f MiB), batch %d trees / %d rows, attention %s",
              name, engine.store.capacity,
              engine.store.capacity * engine.store.bytes_per_token() / 2**20, v.batch_size,

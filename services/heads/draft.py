@@ -1,0 +1,183 @@
+"""Grounded heads as a drafter: trees below a verified step's bonus token (Hydra 3.2, grounded
+tree candidates), built level by level, each head conditioned on the path drafted so far.
+
+Level k runs head k on every frontier node of every request at once (one product per layer of
+the heads, one over the draft vocabulary's LM head rows): the node's path x_{t+1} (the bonus
+token) .. x_{t+k} after f_t. Each frontier node's WIDTH likeliest tokens become candidates
+scored by the product of the heads' probabilities along their path; the FRONTIER best of the
+level are its next frontier. A tree of n nodes needs at most n levels. The tree is the `max_nodes` best-scored candidates (a child never
+outscores its parent, so ancestors are kept), scores attached: the router's sizing prunes it
+further by them. Deviation from Hydra (a fixed tree shape, the Cartesian product of per-head
+top-k): a per-step shape from the heads' own scores, which the ProPD sizing needs.
+
+Lossless whatever the heads guess: the verifier checks every node.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specmesh_services.common.drafts import HEADS, heads_path
+from specmesh_services.common.tree import TokenTree
+from specmesh_services.heads.model import GroundedHeads
+
+WIDTH = 4  # children per frontier node
+FRONTIER = 2  # nodes of a level expanded to the next (docs/decisions/heads-in-verifier.md)
+
+
+class HeadsMismatch(ValueError):
+    """The heads were trained for another model (or tokenizer, or hidden size)."""
+
+
+@dataclass(frozen=True)
+class _Node:
+    request: int  # index into the batch
+    node: int  # index in its tree (-1: the root)
+    path: tuple[int, ...]  # tokens after the bonus token
+    score: float
+
+
+class HeadsDrafter:
+    """K grounded heads over a target's final hidden states, served for speed: on a CPU their
+    products (each head's two layers and the LM head's rows of the draft vocabulary) in int8
+    (FBGEMM; int4 where it does not run), float32 activations; elsewhere in the target's
+    dtype. Drafting a few rows is memory-bound: 8-bit weights read half of bf16's, and the
+    int4 kernel, faster for one row, slows down with the rows of a level
+    (docs/decisions/heads-in-verifier.md)."""
+
+    def __init__(self, heads: GroundedHeads, meta: dict, weights: str | None = "auto") -> None:
+        from torch import nn
+
+        from specmesh_kernels.linear import int4_supports, int8_supports, quantize_linears
+
+        self.meta = meta
+        self.depth = heads.num_heads
+        self.grounded = heads.grounded
+        self.vocab = heads.vocab
+        device = heads.lm_head.device
+        if weights == "auto":  # int8 first: the int4 kernel slows with the rows of a level
+            weights = "int8" if int8_supports() is None else \
+                "int4" if int4_supports() is None else None
+        quantized = weights if device.type == "cpu" else None
+        dtype = torch.float32 if quantized or device.type == "cpu" else heads.lm_head.dtype
+        lm = nn.Linear(heads.hidden_size, heads.lm_head.shape[0], bias=False, device=device,
+                       dtype=dtype)
+        with torch.no_grad():
+            lm.weight.copy_(heads.lm_head)
+        self.layers = nn.ModuleDict({"up": copy.deepcopy(heads.up),
+                                     "down": copy.deepcopy(heads.down), "lm": lm}).to(dtype)
+        if quantized:
+            quantize_linears(self.layers, quantized)
+        self.embed = heads.embed  # the target's, as served
+        self.dtype = dtype
+        self.weights = quantized or str(dtype).removeprefix("torch.")
+
+    @classmethod
+    def load(cls, folder: Path, model: str, tokenizer: str, embed: torch.Tensor,
+             lm_head: torch.Tensor, weights: str | None = "auto") -> "HeadsDrafter":
+        """Heads of `folder` (heads.json + heads.safetensors) for the served target `model`
+        (its tokenizer family, input embeddings and LM head [V, H] as served)."""
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        if not (folder / "heads.json").is_file():
+            raise FileNotFoundError(f"no trained heads in {folder} (`specmesh heads train`)")
+        meta = json.loads((folder / "heads.json").read_text())
+        for key, want in (("model", model), ("tokenizer", tokenizer),
+                          ("hidden_size", embed.shape[1])):
+            if meta.get(key) != want:
+                raise HeadsMismatch(f"the heads in {folder} were trained for {key} "
+                                    f"{meta.get(key)!r}, the target has {want!r}")
+        weights_file = load_file(str(folder / "heads.safetensors"))
+        heads = GroundedHeads(meta["hidden_size"], meta["num_heads"], embed, lm_head,
+                              meta.get("grounded", True), weights_file.get("vocab"))
+        heads.load_state_dict(weights_file, strict=False)
+        return cls(heads, meta, weights)
+
+    def _logits(self, k: int, f: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+        """Head k's logits [N, vocab columns] from f [N, H] and the path's k tokens [N, k]."""
+        layers = self.layers
+        x = torch.cat((f, self.embed[path].to(self.dtype).flatten(1)), dim=-1) \
+            if self.grounded else f
+        h = f + layers["down"][k - 1](torch.nn.functional.silu(layers["up"][k - 1](x)))
+        return layers["lm"](h)
+
+    @torch.inference_mode()
+    def draft(self, hidden: torch.Tensor, bonus: list[int], max_nodes: list[int],
+              depth: int | None = None) -> list[TokenTree]:
+        """One tree per request: `hidden` [B, H] the final hidden states of each request's
+        last accepted token, `bonus` the token the target chose after it (the trees' root),
+        `max_nodes` each tree's size limit (0: no tree)."""
+        depth = min(depth or self.depth, self.depth, max(max_nodes, default=0))
+        f = hidden.to(self.dtype)
+        # per request, its candidates in tree order with their parents' indices
+        nodes: list[list[tuple[_Node, int]]] = [[] for _ in bonus]
+        frontier = [_Node(r, -1, (), 1.0) for r, n in enumerate(max_nodes) if n > 0]
+        for k in range(1, depth + 1):
+            if not frontier:
+                break
+            rows = torch.tensor([n.request for n in frontier])
+            path = torch.tensor([(bonus[n.request], *n.path) for n in frontier])
+            logits = self._logits(k, f[rows], path).float()
+            top, cols = logits.topk(WIDTH, dim=-1)
+            probs = (top - logits.logsumexp(-1, keepdim=True)).exp()
+            tokens = self.vocab[cols].tolist()
+            level: list[list[_Node]] = [[] for _ in bonus]
+            for parent, row_tokens, row_probs in zip(frontier, tokens, probs.tolist()):
+                for token, p in zip(row_tokens, row_probs):
+                    tree = nodes[parent.request]
+                    node = _Node(parent.request, len(tree), (*parent.path, token),
+                                 parent.score * p)
+                    tree.append((node, parent.node))
+                    level[parent.request].append(node)
+            frontier = [n for cands in level
+                        for n in sorted(cands, key=lambda n: -n.score)[:FRONTIER]]
+        return [_best(tree, limit) for tree, limit in zip(nodes, max_nodes)]
+
+
+def _best(candidates: list[tuple[_Node, int]], limit: int) -> TokenTree:
+    """The `limit` best-scored candidates as a tree (ties: earlier first), in tree order."""
+    if limit <= 0 or not candidates:
+        return TokenTree((), ())
+    order = sorted(range(len(candidates)), key=lambda i: (-candidates[i][0].score, i))
+    keep = sorted(order[:limit])
+    index = {old: new for new, old in enumerate(keep)}
+    tokens, parents, scores = [], [], []
+    for i in keep:
+        node, parent = candidates[i]
+        tokens.append(node.path[-1])
+        parents.append(-1 if parent < 0 else index[parent])
+        scores.append(node.score)
+    return TokenTree(tuple(tokens), tuple(parents), tuple(scores), (0,) * len(keep), (HEADS,))
+
+
+def default_folder(settings, model: str) -> Path:
+    """Where `heads` (no path) finds the model's heads: trained ones in the cache
+    (`specmesh heads train`), else the ones shipped with specmesh, else the cache's path (for
+    the error message)."""
+    cached = Path(settings.cache_dir) / "heads" / model / "heads-3"
+    if (cached / "heads.json").is_file():
+        return cached
+    shipped = Path(__file__).parent / "trained" / model
+    return shipped if (shipped / "heads.json").is_file() else cached
+
+
+def load_for_target(settings, spec: str) -> HeadsDrafter:
+    """The heads a spec names, for `settings.model` as served: its embeddings and LM head in
+    the fast dtype of this machine (bfloat16 where it runs fast), whatever the target's
+    weights."""
+    from specmesh_services.common import models
+    from specmesh_services.common.datastore_files import tokenizer_family
+
+    path = models.resolve(settings.model, settings.cache_dir)
+    folder = heads_path(spec) or default_folder(settings, settings.model)
+    dtype = models.resolve_dtype(settings.dtype)
+    model = models.load_model(path, dtype, linear="torch")
+    embed = model.get_input_embeddings().weight.detach()
+    lm_head = model.get_output_embeddings().weight.detach()
+    return HeadsDrafter.load(folder, settings.model, tokenizer_family(models.load_tokenizer(path)),
+                             embed, lm_head)
