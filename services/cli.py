@@ -221,7 +221,7 @@ def cmd_heads(args: argparse.Namespace) -> int:
         extract.default_dir(settings, args.corpus, args.seq_len))
     default_out = Path(settings.cache_dir) / "heads" / settings.model / \
         f"heads-{args.heads}{'-ungrounded' if args.ungrounded else ''}" \
-        f"{'-data' if args.targets == 'data' else ''}"
+        f"{'-data' if args.targets == 'data' else ''}{'-self' if args.self_distill else ''}"
     if args.action == "export":
         if args.out is None:
             print("error: export needs --out FOLDER", file=sys.stderr)
@@ -235,8 +235,18 @@ def cmd_heads(args: argparse.Namespace) -> int:
               f"{meta['weights_dtype']} weights")
         return 0
     try:
+        corpus, budget = args.corpus, args.tokens
+        if args.self_distill and not args.hidden:  # the target's own answers, then their states
+            from specmesh_services.heads import distill
+
+            answers = distill.generate(settings, args.tokens, args.corpus)
+            print(f"target answers {answers['path']}\n  {answers['tokens']:,} answer tokens to "
+                  f"{answers['records']:,} questions")
+            corpus, budget = answers["path"], None  # every answer (and its question)
+            if not args.out or not extracting:
+                hidden = extract.default_dir(settings, corpus, args.seq_len)
         if extracting or not args.hidden:  # `train` extracts first unless --hidden is given
-            meta = extract.extract(settings, args.tokens, args.corpus, hidden, args.seq_len,
+            meta = extract.extract(settings, budget, corpus, hidden, args.seq_len,
                                    args.batch, max_seconds=args.seconds if extracting else None)
             print(f"hidden states {hidden}\n  {meta['tokens']:,} tokens of "
                   f"{meta['records']:,} conversations in {len(meta['shards'])} shards"
@@ -245,7 +255,8 @@ def cmd_heads(args: argparse.Namespace) -> int:
                 return 0
         out = args.out or default_out
         result = train.train(settings, hidden, out, args.heads, lr=args.lr,
-                             max_tokens=args.tokens, max_seconds=args.seconds,
+                             max_tokens=None if args.self_distill else args.tokens,
+                             max_seconds=args.seconds,
                              grounded=not args.ungrounded, vocab=args.vocab,
                              soft=args.targets == "soft")
     except (FileNotFoundError, ValueError) as err:
@@ -417,6 +428,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path,
                    help="output folder [extract: <cache_dir>/heads/<model>/hidden-<corpus>-"
                         "<seq-len>; train: <cache_dir>/heads/<model>/heads-<heads>]")
+    p.add_argument("--self-distill", action="store_true",
+                   help="extract/train on the target's own greedy answers to --corpus' "
+                        "questions (generated once, cached: what verification accepts) instead "
+                        "of the corpus' answers; --tokens counts answer tokens")
     p.add_argument("--hidden", type=Path, help="train on this hidden-states folder")
     p.add_argument("--from", dest="source", type=Path,
                    help="export: the trained heads' folder [the one train writes by default]")

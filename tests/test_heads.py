@@ -153,3 +153,40 @@ def test_draft_vocabulary_and_distillation(base_settings, corpus, tmp_path, toke
         keep.tolist()
     for a in done["accuracy"]:  # guesses only from the vocabulary: against data and target
         assert 0 <= a["top1"] <= a["top5"] <= 1 and 0 <= a["agree1"] <= a["agree5"] <= 1
+
+
+# self-distillation ----------------------------------------------------------------------------
+def test_the_targets_own_answers_are_its_greedy_output_and_resume(base_settings, corpus,
+                                                                  tmp_path, tokenizer,
+                                                                  hf_target):
+    from specmesh_services.heads import distill
+
+    out = tmp_path / "answers.jsonl"
+    whole = distill.generate(base_settings, 10**6, corpus, out, answer_tokens=8, batch_size=2,
+                             progress=False)
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    # the records with a first human turn, in order, each answered as the target alone would
+    assert [r["record"] for r in lines] == [0, 2, 3] and whole["complete"]
+    for line in lines:
+        question = line["conversations"][0]["value"]
+        text = tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                             add_generation_prompt=True, tokenize=False)
+        ids = torch.tensor([tokenizer(text, add_special_tokens=False).input_ids])
+        with torch.inference_mode():
+            ref = hf_target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                     max_new_tokens=8)[0, ids.shape[1]:].tolist()
+        eos = [t for t in ref if t in (tokenizer.eos_token_id,)]
+        ref = ref[:ref.index(eos[0])] if eos else ref
+        assert line["conversations"][1]["value"] == tokenizer.decode(ref,
+                                                                      skip_special_tokens=True)
+        assert line["answer_tokens"] == len(ref)
+    # an interrupted write (a truncated last line) is cut off and that record answered again
+    text = out.read_text()
+    out.write_text(text[:-20])
+    again = distill.generate(base_settings, 10**6, corpus, out, answer_tokens=8, batch_size=2,
+                             progress=False)
+    assert out.read_text() == text and again["tokens"] == whole["tokens"]
+    # the extraction reads the answers as a corpus, and extends when more were appended
+    meta = extract.extract(base_settings, None, str(out), tmp_path / "h", seq_len=SEQ_LEN,
+                           progress=False)
+    assert meta["complete"] and meta["records"] == 3

@@ -11,7 +11,8 @@ is cut into windows of `seq_len` tokens, and the windows run through the target 
                              starts  int64 [w + 1]  where each window starts in `tokens`
     meta.json                model, tokenizer family, hidden size, seq_len, corpus, dtype,
                              shards [{file, tokens, windows}], records (conversations read),
-                             tokens, complete (the corpus ran out)
+                             tokens, complete (the corpus ran out; at corpus_bytes: a corpus
+                             that grew since, such as the target's answers, is extended)
 
 Written a shard at a time (to a temporary file, renamed into place, then meta.json): an
 interrupted run resumes at the first conversation not yet in a shard, and a later run with a
@@ -78,12 +79,13 @@ class _Shard:
         return sum(int(t.numel()) for t in self.tokens)
 
 
-def extract(settings: Settings, max_tokens: int, corpus: str = "sharegpt",
+def extract(settings: Settings, max_tokens: int | None, corpus: str = "sharegpt",
             out: Path | None = None, seq_len: int = 512, batch_size: int = 8,
             shard_tokens: int = 1 << 16, max_seconds: float | None = None,
             progress: bool = True) -> dict:
     """Hidden states of at least `max_tokens` corpus tokens (whole conversations; fewer if the
-    corpus runs out or `max_seconds` pass) in `out`; returns its meta. Resumes what is there."""
+    corpus runs out or `max_seconds` pass; None: the whole corpus) in `out`; returns its meta.
+    Resumes what is there."""
     if seq_len < 2 or batch_size < 1 or shard_tokens < 1:
         raise ValueError("need seq_len >= 2, batch_size >= 1 and shard_tokens >= 1")
     path = models.resolve(settings.model, settings.cache_dir)
@@ -105,7 +107,10 @@ def extract(settings: Settings, max_tokens: int, corpus: str = "sharegpt",
                 f"{out} holds hidden states of another setup: " + ", ".join(
                     f"{k} {have!r} (asked {asked!r})" for k, (have, asked) in wrong.items())
                 + ": give another folder or remove it")
-    if meta["complete"] or meta["tokens"] >= max_tokens:
+    source = corpora.resolve(corpus)
+    if meta["complete"] and meta.get("corpus_bytes") not in (None, source.stat().st_size):
+        meta["complete"] = False  # the corpus grew (the target's answers, appended): go on
+    if meta["complete"] or (max_tokens is not None and meta["tokens"] >= max_tokens):
         return meta
     out.mkdir(parents=True, exist_ok=True)
     model = models.load_model(path, dtype)
@@ -114,7 +119,7 @@ def extract(settings: Settings, max_tokens: int, corpus: str = "sharegpt",
                 disable=not progress) if tqdm is not None else None)
     shard, pending, read = _Shard(), [], meta["records"]
     try:
-        for index, ids in enumerate(conversations(corpora.resolve(corpus), tokenizer)):
+        for index, ids in enumerate(conversations(source, tokenizer)):
             if index < meta["records"]:
                 continue  # in an earlier shard
             pending += windows(ids, seq_len)
@@ -125,7 +130,7 @@ def extract(settings: Settings, max_tokens: int, corpus: str = "sharegpt",
             pending = []
             if bar is not None:
                 bar.update(done)
-            reached = meta["tokens"] + shard.size >= max_tokens
+            reached = max_tokens is not None and meta["tokens"] + shard.size >= max_tokens
             late = max_seconds is not None and time.monotonic() - started >= max_seconds
             if shard.size >= shard_tokens or reached or late:
                 _write(out, meta, shard, read)
@@ -138,6 +143,7 @@ def extract(settings: Settings, max_tokens: int, corpus: str = "sharegpt",
                 if bar is not None:
                     bar.update(done)
             meta["complete"] = True
+            meta["corpus_bytes"] = source.stat().st_size
             _write(out, meta, shard, read)
     finally:
         if bar is not None:
