@@ -67,7 +67,7 @@ def drafts_of(model: str) -> tuple[str, str]:
     return DRAFTS.get(model, ("layers:8", "layers:16"))
 
 
-def ablation(drafts: tuple[str, str], nodes: int) -> list[tuple[str, dict, dict]]:
+def ablation(drafts: tuple[str, str], nodes: int, model: str) -> list[tuple[str, dict, dict]]:
     """(name, top-level overrides, dotted overrides) of each method, cumulative."""
     fixed = {"speculation.tree_size": "fixed"}  # the default is adaptive
     one = ({"drafters": [drafts[0]]}, {"speculation.source": "model", **fixed, **NO_PIPELINE})
@@ -77,7 +77,9 @@ def ablation(drafts: tuple[str, str], nodes: int) -> list[tuple[str, dict, dict]
     bandit = {**vote, "speculation.selection": "lbss"}
     adaptive = {**bandit, "speculation.tree_size": "adaptive"}
     full = {k: v for k, v in adaptive.items() if k not in NO_PIPELINE}
-    default = ({"drafters": [drafts[0]]}, {})  # speculation.source auto: what `up` serves
+    # what `up` serves: the model's default source (a given draft would make auto the model)
+    default = ({"drafters": [drafts[0]]},
+               {"speculation.source": models.serving_source(model, "auto")})
     return [("mesh-plain", {}, {"speculation.depth": 0}), ("fixed", *one), ("default", *default),
             ("+voting", many, vote),
             ("+bandit", many, bandit),
@@ -219,7 +221,7 @@ def run(config: Config, drafts: tuple[str, str], levels: list[int], nodes: int,
         runs = report["plain_runs"][str(c)] = [plain.tok_s]
         save(report)
         before = plain
-        for name, top, dotted in ablation(drafts, nodes):
+        for name, top, dotted in ablation(drafts, nodes, config.model):
             if methods and name not in methods:
                 continue
             mesh = settings.with_overrides(**top, **dotted)

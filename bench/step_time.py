@@ -392,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = load_prompts(config, models.load_tokenizer(models.resolve(config.model,
                                                                         settings.cache_dir)))
     probe = Probe(span_recorder(), compute)
-    methods = {name: (top, dotted) for name, top, dotted in ablation(drafts, defaults.max_nodes)}
+    methods = {name: (top, dotted) for name, top, dotted in ablation(drafts, defaults.max_nodes,
+                                                                    args.model)}
     name = (f"step-time-{args.model}" + (f"-{args.target_runner}" if args.target_runner else "")
             + ("-quick" if args.quick else ""))
     report = {"host": host(), "date": time.strftime("%Y-%m-%d"), "config": asdict(config),

@@ -39,8 +39,8 @@ def test_eos_ids_include_the_generation_configs(target_path, tokenizer):
 
 def test_auto_source_is_the_models_registry_default(tmp_path):
     """speculation.source=auto drafts where the model's registry entry says (SmolLM2: the
-    datastore; the Qwen targets and local directories: the draft models); an explicit source
-    stays; the router refuses an unresolved auto."""
+    datastore; the Qwen targets and local directories: the draft models), or the drafts when
+    draft specs are given; an explicit source stays; the router refuses an unresolved auto."""
     from specmesh_services.common.config import Settings
     from specmesh_services.router.engine import Router, TargetInfo
 
@@ -52,6 +52,11 @@ def test_auto_source_is_the_models_registry_default(tmp_path):
     assert models.served(settings.with_overrides(model=str(tmp_path))).speculation.source == "model"
     both = settings.with_overrides(**{"speculation.source": "both"})
     assert models.served(both) is both
+    # drafts asked for draft: `--draft heads` (or a model) on SmolLM2 is not the datastore
+    for specs in (["heads"], ["layers:8"]):
+        assert models.served(settings.with_overrides(drafters=specs)).speculation.source \
+            == "model"
+    assert models.served(both.with_overrides(drafters=["heads"])).speculation.source == "both"
     with pytest.raises(ValueError, match="resolve it for the model"):
         Router(None, None, None, TargetInfo("t", 10, 100, (0,)), settings.speculation,
                settings.router)

@@ -49,10 +49,11 @@ class SpeculationSettings(Section):
                                      "node they give less than this probability (HF assisted "
                                      "generation's confidence threshold; 0 = full depth)")
     source: Literal["auto", "model", "datastore", "both"] = Field(
-        "auto", description="who drafts: the draft model(s), the lookup datastore (SSSD), or "
-                            "both merged into one tree; auto = the model's registry entry "
-                            "(SmolLM2: datastore, no draft model pays against it; the Qwen "
-                            "models: model; a local model directory: model)")
+        "auto", description="who drafts: the draft model(s) and heads, the lookup datastore "
+                            "(SSSD), or both merged into one tree; auto = the drafts when "
+                            "`drafters` are given, else the model's registry entry (SmolLM2: "
+                            "datastore, no draft pays against it; the Qwen models: model; a "
+                            "local model directory: model)")
     max_nodes: int = Field(8, ge=1, le=256, description="node budget of a datastore tree (and of "
                                                          "a merged tree)")
     tree_size: Literal["fixed", "adaptive", "length"] = Field(

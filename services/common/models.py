@@ -139,8 +139,11 @@ def serving_source(model: str, source: str) -> str:
 
 def served(settings: Settings) -> Settings:
     """`settings` with the model-dependent `auto` of speculation.source resolved: what every
-    role of a mesh must agree on (which drafting services run, what the router asks)."""
-    source = serving_source(settings.model, settings.speculation.source)
+    role of a mesh must agree on (which drafting services run, what the router asks). Draft
+    specs given (`--draft`) make `auto` the draft models: what was asked for drafts."""
+    source = settings.speculation.source
+    source = "model" if source == "auto" and settings.drafters else \
+        serving_source(settings.model, source)
     if source == settings.speculation.source:
         return settings
     return settings.with_overrides(**{"speculation.source": source})
