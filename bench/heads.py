@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import platform
 import statistics
 import time
+from pathlib import Path
 
 from bench.router import run_mesh
 from bench.run import Config, load_prompts, save_report
@@ -96,12 +98,9 @@ def accuracy(model: str, dtype: str, prompts, max_tokens: int, folders: list[str
     cache, or a path) and head, top-1 / top-5 accuracy against the target's own greedy
     continuation of each prompt (what a greedy verification accepts), teacher-forced."""
     import torch
-
-    from pathlib import Path
+    from safetensors.torch import load_file
 
     from specmesh_services.heads.model import GroundedHeads
-    from safetensors.torch import load_file
-    import json
 
     settings = Settings(model=model, dtype=dtype)
     path = models.resolve(model, settings.cache_dir)

@@ -5,9 +5,9 @@ Level k runs head k on every frontier node of every request at once (one product
 the heads, one over the draft vocabulary's LM head rows): the node's path x_{t+1} (the bonus
 token) .. x_{t+k} after f_t. Each frontier node's WIDTH likeliest tokens become candidates
 scored by the product of the heads' probabilities along their path; the FRONTIER best of the
-level are its next frontier. A tree of n nodes needs at most n levels. The tree is the `max_nodes` best-scored candidates (a child never
-outscores its parent, so ancestors are kept), scores attached: the router's sizing prunes it
-further by them. Deviation from Hydra (a fixed tree shape, the Cartesian product of per-head
+level are its next frontier; a tree of n nodes needs at most n levels. The tree is the
+`max_nodes` best-scored candidates (a child never outscores its parent, so ancestors are kept),
+scores attached: the router's sizing prunes it further by them. Deviation from Hydra (a fixed tree shape, the Cartesian product of per-head
 top-k): a per-step shape from the heads' own scores, which the ProPD sizing needs.
 
 Lossless whatever the heads guess: the verifier checks every node.

@@ -36,6 +36,7 @@ from torch.nn import functional as F
 
 from specmesh_services.common import models
 from specmesh_services.common.config import Settings
+from specmesh_services.drafter.vocab import frequent_tokens
 from specmesh_services.heads import extract
 from specmesh_services.heads.model import GroundedHeads
 
@@ -100,8 +101,7 @@ def draft_vocab(data: Examples, size: int, vocab_size: int, always: list[int]) -
     """The `size` most frequent target tokens of the training examples (ties: lower id),
     plus `always` (end-of-turn and the other special tokens), sorted."""
     counts = torch.bincount(data.targets[:, 0], minlength=vocab_size)
-    order = torch.argsort(-counts, stable=True)[:size]
-    return torch.tensor(sorted(set(order.tolist()) | {t for t in always if 0 <= t < vocab_size}))
+    return frequent_tokens(counts.numpy(), size, always)  # FR-Spec's rule, as the drafts
 
 
 def target_matrices(settings: Settings) -> tuple[torch.Tensor, torch.Tensor, list[int]]:

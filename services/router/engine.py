@@ -106,8 +106,7 @@ class Router:
         self.drafter_names = list(drafter_names or [drafter_name])
         # the verifier's draft heads are one of the drafters: it drafts their tree for a
         # request's next step with each result (DraftEntry.heads_nodes)
-        self.heads = (HEADS in self.drafter_names or drafter_name == HEADS) and \
-            speculation.source != "datastore"
+        self.heads = HEADS in self.drafter_names and speculation.source != "datastore"
         self.drafter_costs = dict(drafter_costs or {})  # 0 = not measured
         # majority vote (Minions 3.2) over every source: the configured arm with selection=fixed,
         # else one more arm for the selection
