@@ -29,6 +29,7 @@ from specmesh_services.common.procs import free_port, orphan_guard, pid_alive
 from specmesh_services.drafter.models import DraftSpec
 
 START_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 30.0  # the supervisor's own stop takes at most ~20 s (15 s for children + redis)
 
 
 def state_path(settings: Settings) -> Path:
@@ -227,7 +228,9 @@ def up(settings: Settings, port: int, detach: bool) -> int:
         return 1
     finally:
         print("stopping specmesh...", flush=True)
+        began = time.monotonic()
         stack.stop()
+        print(f"stopped in {time.monotonic() - began:.1f} s", flush=True)
         with contextlib.suppress(FileNotFoundError):
             state.unlink()
 
@@ -258,24 +261,50 @@ def _up_detached(settings: Settings, port: int, state: Path) -> int:
 
 
 def down(settings: Settings) -> int:
+    """SIGTERM to the supervisor (which stops its children in order), SIGKILL to whatever is
+    left after STOP_TIMEOUT_S, and returns only once every process of the stack is gone. Only
+    processes still running specmesh are signalled: a stale state file's pid may be reused."""
     state = state_path(settings)
     running = _read_state(state)
     if not running:
         print("no specmesh stack is running")
         return 0
-    pid = running["pid"]
-    if pid_alive(pid):
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        while pid_alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-    for info in running["children"].values():  # in case the supervisor could not
-        if pid_alive(info["pid"]):
-            os.kill(info["pid"], signal.SIGKILL)
+    pids = {"supervisor": running["pid"],
+            **{role: info["pid"] for role, info in running["children"].items()}}
+    pids = {role: pid for role, pid in pids.items() if _is_specmesh(pid)}
+    supervisor = pids.get("supervisor")
+    if supervisor is not None:
+        os.kill(supervisor, signal.SIGTERM)
+        _wait_gone([supervisor], STOP_TIMEOUT_S)
+    left = {role: pid for role, pid in pids.items() if pid_alive(pid)}
+    if left:
+        print(f"still running after {STOP_TIMEOUT_S:.0f} s: {', '.join(left)}; killing",
+              file=sys.stderr)
+        for pid in left.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        survivors = _wait_gone(list(left.values()), 10.0)
+        if survivors:
+            print(f"could not stop pids {survivors}", file=sys.stderr)
+            return 1
     with contextlib.suppress(FileNotFoundError):
         state.unlink()
     print("specmesh stopped")
     return 0
+
+
+def _is_specmesh(pid: int) -> bool:
+    try:
+        return pid_alive(pid) and b"specmesh_services.cli" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return pid_alive(pid)  # no /proc (not Linux): trust the state file
+
+
+def _wait_gone(pids: list[int], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [p for p in pids if pid_alive(p)]
 
 
 def _read_state(state: Path) -> dict | None:

@@ -69,8 +69,9 @@ def test_up_detach_generate_down(cli_env, tmp_path):
         assert bad.returncode == 2 and "INVALID_ARGUMENT" in bad.stderr
     finally:
         down = run_cli(["down"], cli_env)
-    assert down.returncode == 0, down.stderr
-    assert wait_gone(pids) == [], "processes survived `specmesh down`"
+    log = (tmp_path / "run" / "up.log").read_text()[-3000:]
+    assert down.returncode == 0, down.stderr + log
+    assert wait_gone(pids) == [], f"processes survived `specmesh down`:\n{down.stderr}{log}"
     assert not (tmp_path / "run" / "stack.json").exists()
 
 
@@ -105,3 +106,30 @@ def test_model_flags_become_settings():
     assert (settings.draft_vocab, settings.dtype, settings.drafters) == (4096, "float32",
                                                                          ["layers:8@int4"])
     assert settings_from(build_parser().parse_args(["run", "hi"])).draft_vocab == 0
+
+
+def test_down_kills_a_supervisor_that_ignores_sigterm(tmp_path, monkeypatch):
+    """A hung supervisor (it ignores SIGTERM here) is killed after STOP_TIMEOUT_S, and `down`
+    returns only once it is gone; an unrelated process behind a stale pid is never signalled."""
+    from specmesh_services import stack
+    from specmesh_services.common.config import Settings
+
+    hung = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                             "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); "
+                             "time.sleep(600)", "specmesh_services.cli"], stdout=subprocess.PIPE)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        hung.stdout.readline()  # SIGTERM is ignored from here on
+        monkeypatch.setenv("SPECMESH_RUN_DIR", str(tmp_path))
+        settings = Settings()
+        stack.state_path(settings).write_text(json.dumps(
+            {"pid": hung.pid, "gateway": "127.0.0.1:1", "children": {"router": {"pid": other.pid}}}))
+        monkeypatch.setattr(stack, "STOP_TIMEOUT_S", 1.0)
+        assert stack.down(settings) == 0
+        assert hung.wait(timeout=5) == -signal.SIGKILL
+        assert other.poll() is None
+        assert not stack.state_path(settings).exists()
+    finally:
+        for p in (hung, other):
+            p.kill()
+            p.wait()
