@@ -16,6 +16,7 @@ against plain decoding's (greedy: identical token ids).
     python -m bench.heads --hop       # what a drafter service for the heads would add a step
     python -m bench.heads --accuracy heads-3 heads-3-ungrounded   # figure 2 on the prompts
     python -m bench.heads --draft-time   # one tree's drafting time by weights and frontier
+    python -m bench.heads --modes heads --batches 4 --prune off 4:50 4:100   # ProPD Table 2
 Writes bench/results/heads-<model>[-<tag>].json and .md.
 
 `--hop` times the alternative to drafting inside the verifier: the heads in a service of their
@@ -40,6 +41,16 @@ from specmesh_services.common.config import Settings
 from specmesh_services.common.serving import compute_executor
 
 MODES = ("default", "heads", "heads+datastore")
+
+
+def prune_settings(settings: Settings, prune: str) -> Settings:
+    """`prune`: off, or n:k = the cached early head of layer n (`specmesh heads early`) with
+    Top-k."""
+    if prune == "off":
+        return settings.with_overrides(**{"verifier.prune": "off"})
+    layer, k = (int(x) for x in prune.split(":"))
+    return settings.with_overrides(**{"verifier.prune": "on", "verifier.prune_layer": layer,
+                                      "verifier.prune_top_k": k})
 
 
 def mode_settings(base: Settings, mode: str, heads: str) -> Settings:
@@ -198,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--accuracy", nargs="+", metavar="HEADS",
                         help="only the heads' accuracy on the prompts' greedy continuations "
                              "(folders under the model's heads cache, or paths)")
+    parser.add_argument("--prune", nargs="+", metavar="N:K",
+                        help="run each mode with each early pruning setting: off, or n:k (the "
+                             "early head of layer n, Top-k); adds prune rate to the rows")
     parser.add_argument("--draft-time", action="store_true",
                         help="only time one heads tree by weights and frontier (see above)")
     args = parser.parse_args(argv)
@@ -226,21 +240,33 @@ def main(argv: list[str] | None = None) -> int:
               "dtype": dtype, "heads": args.heads, "settings": overrides,
               "prompts": [p.name for p in prompts], "max_tokens": args.max_tokens, "rows": []}
 
-    def run(mode: str, batch: int):
-        meshes = []
-        result = run_mesh(config, prompts, mode_settings(base, mode, args.heads), batch,
-                          compute, mode, on_start=meshes.append)
-        engine = meshes[0].worker.engine
-        return result, engine.heads_seconds, engine.steps
+    def run(mode: str, batch: int, prune: str = "off"):
+        start = {}
 
+        def started(mesh) -> None:  # counters from here: the warm-up is not measured
+            engine = mesh.worker.engine
+            pruner = engine.target.pruner
+            start.update(engine=engine, heads=engine.heads_seconds, steps=engine.steps,
+                         nodes=pruner.nodes if pruner else 0, pruned=pruner.pruned if pruner else 0)
+        result = run_mesh(config, prompts, prune_settings(mode_settings(base, mode, args.heads),
+                                                          prune), batch, compute, mode,
+                          on_start=started)
+        engine = start["engine"]
+        pruner = engine.target.pruner
+        rate = ((pruner.pruned - start["pruned"]) / max(pruner.nodes - start["nodes"], 1)
+                if pruner else 0.0)
+        return result, engine.heads_seconds - start["heads"], engine.steps - start["steps"], rate
+
+    runs = [(mode, prune) for mode in args.modes for prune in (args.prune or ["off"])]
     for batch in args.batches:
-        before, _, _ = run("plain", batch)
-        for mode in args.modes:
-            result, heads_s, steps = run(mode, batch)
-            after, _, _ = run("plain", batch)
+        before = run("plain", batch)[0]
+        for mode, prune in runs:
+            result, heads_s, steps, rate = run(mode, batch, prune)
+            after = run("plain", batch)[0]
             plain = (before.tok_s + after.tok_s) / 2
             same = sum(a == b for a, b in zip(result.outputs, before.outputs))
-            row = {"mode": mode, "batch": batch, "tok_s": round(result.tok_s, 2),
+            row = {"mode": mode, "prune": prune, "prune_rate": round(rate, 3), "batch": batch,
+                   "tok_s": round(result.tok_s, 2),
                    "plain_tok_s": round(plain, 2), "ratio": round(result.tok_s / plain, 3),
                    "tokens_per_step": round(result.mean_accepted_length, 2),
                    "nodes_per_step": round(result.draft_tokens / max(result.target_forwards, 1),
@@ -252,9 +278,11 @@ def main(argv: list[str] | None = None) -> int:
             before = after
     lines = [f"{args.model}, {dtype}, {report['host']}, {report['date']}: {len(prompts)} "
              f"prompts x {args.max_tokens} tokens, heads `{args.heads}`",
-             "", "| mode | batch | tok/s | plain tok/s | ratio | tokens/step | nodes/step | "
-             "heads ms/step | identical |", "|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['mode']} | {r['batch']} | {r['tok_s']} | {r['plain_tok_s']} | {r['ratio']} "
+             "", "| mode | prune (layer:k) | prune rate | batch | tok/s | plain tok/s | ratio | "
+             "tokens/step | nodes/step | heads ms/step | identical |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['mode']} | {r['prune']} | {r['prune_rate']} | {r['batch']} | {r['tok_s']} | "
+              f"{r['plain_tok_s']} | {r['ratio']} "
               f"| {r['tokens_per_step']} | {r['nodes_per_step']} | {r['heads_ms_per_step']} | "
               f"{r['identical_to_plain']} |" for r in report["rows"]]
     save_report(f"heads-{args.model}" + (f"-{args.tag}" if args.tag else ""), report,

@@ -222,6 +222,8 @@ def cmd_heads(args: argparse.Namespace) -> int:
     default_out = Path(settings.cache_dir) / "heads" / settings.model / \
         f"heads-{args.heads}{'-ungrounded' if args.ungrounded else ''}" \
         f"{'-data' if args.targets == 'data' else ''}{'-self' if args.self_distill else ''}"
+    if args.action == "early":
+        return _heads_early(args, settings)
     if args.action == "export":
         if args.out is None:
             print("error: export needs --out FOLDER", file=sys.stderr)
@@ -269,6 +271,36 @@ def cmd_heads(args: argparse.Namespace) -> int:
           + "\n  agreement with the target's greedy token (top-1 / top-5): " + ", ".join(
               f"head {a['head']} {a['agree1']:.3f} / {a['agree5']:.3f}"
               for a in result["accuracy"]))
+    return 0
+
+
+def _heads_early(args: argparse.Namespace, settings) -> int:
+    """`specmesh heads early`: states of --layers (extracted once), one early head each."""
+    from specmesh_services.heads import early, extract
+
+    layers = tuple(args.layers)
+    if args.out and len(layers) > 1:
+        print("error: --out takes one layer (several go to <cache_dir>/heads/<model>/early-<n>)",
+              file=sys.stderr)
+        return 2
+    try:
+        hidden = args.hidden or extract.default_dir(settings, args.corpus, args.seq_len, layers)
+        meta = extract.extract(settings, args.tokens, args.corpus, hidden, args.seq_len,
+                               args.batch, layers=layers)
+        print(f"hidden states {hidden}\n  {meta['tokens']:,} tokens, layers "
+              f"{', '.join(map(str, meta.get('layers', [])))}")
+        for n in layers:
+            out = args.out or Path(settings.cache_dir) / "heads" / settings.model / f"early-{n}"
+            result = early.train_early(settings, hidden, out, n, max_tokens=args.examples,
+                                       vocab=args.vocab, lr=args.lr)
+            print(f"early head {out}: layer {n}, {result['tokens_seen']:,} tokens in "
+                  f"{result['seconds']:.0f} s\n  held-out recall of the target's greedy token "
+                  f"at Top-k (trained / logit lens): " + ", ".join(
+                      f"k={k} {result['recall'][k]:.3f} / {result['logit_lens_recall'][k]:.3f}"
+                      for k in early.RECALL_AT))
+    except (FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -415,8 +447,16 @@ def build_parser() -> argparse.ArgumentParser:
                     "heads.safetensors + heads.json\n           (held-out top-1 / top-5 per "
                     "head); --seconds stops it resumably\n"
                     "  export   copy trained heads (--from FOLDER, or the ones train writes by"
-                    "\n           default) to --out with bfloat16 weights (half the size)")
-    p.add_argument("action", choices=["extract", "train", "export"])
+                    "\n           default) to --out with bfloat16 weights (half the size)\n"
+                    "  early    extract the residual stream after each of --layers too, and "
+                    "train one\n           early head per layer for the verifier's early "
+                    "pruning (ProPD 4.1):\n           <cache_dir>/heads/<model>/early-<n> "
+                    "(held-out Top-k recall printed)")
+    p.add_argument("action", choices=["extract", "train", "export", "early"])
+    p.add_argument("--examples", type=int,
+                   help="early: train each head on at most this many positions [all extracted]")
+    p.add_argument("--layers", type=int, nargs="+", default=[4],
+                   help="early: the layers after which early heads read the target [4]")
     p.add_argument("--corpus", default="sharegpt",
                    help="'sharegpt', or a .json / .jsonl file of conversations [sharegpt]")
     p.add_argument("--tokens", type=int, default=1_000_000,

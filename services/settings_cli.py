@@ -48,7 +48,10 @@ GROUPS: dict[str, tuple[str, tuple[Flag, ...]]] = {
     "verifier": ("verifier (continuous batching, KV memory)", (
         Flag("verifier.batch_size", metavar="N"), Flag("verifier.max_batch_tokens", metavar="N"),
         Flag("verifier.kv_budget_tokens", metavar="N"), Flag("verifier.attention"),
-        Flag("verifier.exact", "--exact"), Flag("verifier.metrics_port", metavar="PORT"))),
+        Flag("verifier.exact", "--exact"), Flag("verifier.prune", metavar="off|on|DIR"),
+        Flag("verifier.prune_top_k", "--prune-top-k", metavar="K"),
+        Flag("verifier.prune_layer", "--prune-layer", metavar="N"),
+        Flag("verifier.metrics_port", metavar="PORT"))),
     "operations": ("operations", (
         Flag("log_level", metavar="LEVEL"), Flag("telemetry.otlp_endpoint", metavar="HOST:PORT"),
         Flag("telemetry.console", "--trace-console"))),

@@ -59,7 +59,8 @@ def test_every_installed_module_imports_outside_the_checkout(tmp_path):
 
 
 def test_non_editable_install_into_a_fresh_venv(tmp_path):
-    """`pip install ./sdk .` into a new venv: --help, run, and serve ROLE --help all work."""
+    """`pip install ./sdk .` into a new venv: --help, run and serve ROLE --help work, and the
+    default model's draft heads and early head ship inside the package."""
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", str(venv)], cwd=tmp_path)
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q",
@@ -75,3 +76,15 @@ def test_non_editable_install_into_a_fresh_venv(tmp_path):
     assert out.stdout.strip()
     for role in ROLES:
         assert "usage" in _run([specmesh, "serve", role, "--help"], cwd=tmp_path).stdout
+    shipped = _run([str(venv / "bin" / "python"), "-P", "-c", SHIPPED, str(tmp_path / "cache")],
+                   cwd=tmp_path).stdout.split()
+    assert len(shipped) == 2 and all(path.startswith(str(venv)) for path in shipped), shipped
+
+
+SHIPPED = """
+import sys
+from specmesh_services.common.config import Settings
+from specmesh_services.heads import draft, early
+settings = Settings(cache_dir=sys.argv[1])
+print(draft.default_folder(settings, "smollm2-135m"), early.default_folder(settings, "smollm2-135m"))
+"""

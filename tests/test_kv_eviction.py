@@ -1,4 +1,4 @@
-"""Memory pressure: 50 requests, 8 in flight, through the embedded mesh (router, drafter, pool,
+"""Memory pressure: 32 requests, 8 in flight, through the embedded mesh (router, drafter, pool,
 verifier worker) with a verifier KV budget far below what 8 requests need. The verifier must
 evict idle requests and re-prefill them when their next tree arrives, or defer a tree until room
 frees up, never drop one: every output still equals the target's own greedy `generate`."""
@@ -12,7 +12,7 @@ import torch
 from specmesh_services.embedded import EmbeddedMesh
 from test_lossless_greedy import assert_target_tokens  # noqa: E402  (tests/ is on the path)
 
-NUM_REQUESTS = 50
+NUM_REQUESTS = 32
 MAX_TOKENS = 16
 KV_BUDGET = 640  # rows for all requests together; 8 requests of 47-243 prompt tokens need more
 

@@ -2,7 +2,7 @@
 greedy with repetition_penalty=1.3 equals the target's own
 `generate(do_sample=False, repetition_penalty=1.3)` token for token, and greedy with a presence or
 a frequency penalty (which HF `generate` does not have) equals a loop-based reference decoder over
-the target's logits; 3 MT-Bench questions, 40 new tokens each, with real draft trees (width 2,
+the target's logits; 3 MT-Bench questions, 28 new tokens each, with real draft trees (width 2,
 depth 3). The drafter proposes the target's unpenalized choices, so penalties make the walk reject
 drafted tokens and take siblings: the path-extended history must be right for the ids to match."""
 import asyncio
@@ -14,7 +14,7 @@ from specmesh_services.common import models
 from specmesh_services.embedded import EmbeddedMesh
 
 QUESTIONS = [0, 1, 2]
-MAX_TOKENS = 40
+MAX_TOKENS = 28
 REPETITION = 1.3
 CONFIGS = {  # name: SDK keyword arguments
     "repetition": dict(repetition_penalty=REPETITION),

@@ -125,6 +125,14 @@ class VerifierSettings(Section):
                         "backend; slower: docs/decisions/cpu-tree-attention.md). Off: in bf16 "
                         "and native int4 an output can differ from plain decoding at near-tied "
                         "logits")
+    prune: str = Field("off", description="early pruning of tree nodes (ProPD 4.1): after the "
+                       "early head's layer, nodes whose token is not in their parent's Top-k "
+                       "skip the remaining layers; off, on (the model's early head: `specmesh "
+                       "heads early`, cached or shipped), or an early head's folder")
+    prune_top_k: int = Field(50, ge=1, description="early pruning: a node survives when its "
+                             "token is among its parent's k likeliest by the early head")
+    prune_layer: int | None = Field(None, ge=1, description="early pruning with prune=on: the "
+                                    "cached early head of this layer (default: the lowest)")
     metrics_port: int | None = Field(None, ge=0, description="serve Prometheus metrics here")
     claim_idle_s: float = Field(30.0, gt=0, description="re-claim drafts unacknowledged this long")
     batch_wait_s: float | None = Field(

@@ -32,6 +32,8 @@ ARCHITECTURES = ("llama", "qwen2")
 
 # attend(layer, q [T, H, d], k [T, KVH, d], v [T, KVH, d]) -> attention output [T, H, d]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# keep(x [T, hidden] after the first n layers) -> [T] bool rows that go on (None: all)
+Prune = Callable[[torch.Tensor], "torch.Tensor | None"]
 
 
 def supports(model) -> str | None:
@@ -202,40 +204,63 @@ class LeanDecoder:
         return cos.to(self.dtype)[:, None], sin.to(self.dtype)[:, None]  # [T, 1, D]
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend,
-            rows: torch.Tensor | None, prompt: torch.Tensor | int | None = None
-            ) -> torch.Tensor | None:
+            rows: torch.Tensor | None, prompt: torch.Tensor | int | None = None,
+            prune: tuple[int, Prune] | None = None) -> torch.Tensor | None:
         """The decoder over T new rows (`tokens`, `positions`: [T] long on the model's device),
         attention by `attend`; returns the final (normalized) hidden states of `rows` [R,
         hidden] (None: no rows need them, e.g. prefill chunks: the final norm is skipped).
         `prompt`: the rows that are prompt (prefill) rows, through the products' prefill form
         where they have one: indices, or n for the first n rows; the others are `rows` (None:
-        every row is a prompt row when `rows` is empty, else none is)."""
-        t = int(tokens.shape[0])
-        layers = self.layers
+        every row is a prompt row when `rows` is empty, else none is).
+        `prune` = (n, keep): after layer n, `keep(x)` may return which rows go on ([T] bool;
+        None: all): the later layers run on those only (`attend` then sees only them, so
+        `keep` switches it too), and the result holds the kept rows of `rows`, in order.
+        Prompt rows must be kept."""
         everything = rows is None or rows.numel() == 0
-        if self.prefill_layers is not None and (everything or prompt is not None):
-            split = None if everything else prompt
-            layers = [tuple(_split(d, p, split, rows) for d, p in zip(decode, prefill))
-                      for decode, prefill in zip(self.layers, self.prefill_layers)]
+        layers = self._layers(rows, prompt, everything)
         x = self.embed[tokens]  # [T, hidden]
         cos, sin = self._rope(positions.to(self.inv_freq.device))
         cos, sin = cos.to(x.device), sin.to(x.device)
-        heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
-        qk_width, half = (heads + kv_heads) * d, d // 2
-        for i, (qkv_proj, o_proj, gate_up_proj, down_proj) in enumerate(layers):
-            norm_in, norm_post = self.norms[i]
-            qkv = qkv_proj(self._norm(x, norm_in))  # [T, (H + 2 KVH) d]
-            qk = qkv[:, :qk_width].view(t, heads + kv_heads, d)
-            rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-            qk = qk * cos + rotated * sin  # RoPE on q and k at once: [T, H + KVH, d]
-            v = qkv[:, qk_width:].view(t, kv_heads, d)
-            out = attend(i, qk[:, :heads], qk[:, heads:], v)  # [T, H, d]
-            x = x + o_proj(out.reshape(t, heads * d))
-            gate, up = gate_up_proj(self._norm(x, norm_post)).chunk(2, dim=-1)
-            x = x + down_proj(F.silu(gate) * up)
-        if rows is None or rows.numel() == 0:
+        for i in range(self.num_layers):
+            if prune is not None and i == prune[0]:
+                alive = prune[1](x)
+                if alive is not None:
+                    x, cos, sin = x[alive], cos[alive], sin[alive]
+                    index = torch.cumsum(alive, 0) - 1  # old row -> new row
+                    if not everything:
+                        rows = index[rows[alive[rows]]]
+                    if isinstance(prompt, torch.Tensor):
+                        prompt = index[prompt]
+                    layers = self._layers(rows, prompt, everything)
+            x = self._layer(i, layers[i], x, cos, sin, attend)
+        if everything or rows.numel() == 0:
             return None
         return self._norm(x[rows], self.final_norm)
+
+    def _layers(self, rows: torch.Tensor | None, prompt: torch.Tensor | int | None,
+                everything: bool) -> list[tuple[Linear, ...]]:
+        """Each layer's products for these rows (prompt rows through the prefill forms)."""
+        if self.prefill_layers is None or not (everything or prompt is not None):
+            return self.layers
+        split = None if everything else prompt
+        return [tuple(_split(d, p, split, rows) for d, p in zip(decode, prefill))
+                for decode, prefill in zip(self.layers, self.prefill_layers)]
+
+    def _layer(self, i: int, products: tuple[Linear, ...], x: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        qkv_proj, o_proj, gate_up_proj, down_proj = products
+        t, heads, kv_heads, d = int(x.shape[0]), self.heads, self.kv_heads, self.head_dim
+        qk_width, half = (heads + kv_heads) * d, d // 2
+        norm_in, norm_post = self.norms[i]
+        qkv = qkv_proj(self._norm(x, norm_in))  # [T, (H + 2 KVH) d]
+        qk = qkv[:, :qk_width].view(t, heads + kv_heads, d)
+        rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+        qk = qk * cos + rotated * sin  # RoPE on q and k at once: [T, H + KVH, d]
+        v = qkv[:, qk_width:].view(t, kv_heads, d)
+        out = attend(i, qk[:, :heads], qk[:, heads:], v)  # [T, H, d]
+        x = x + o_proj(out.reshape(t, heads * d))
+        gate, up = gate_up_proj(self._norm(x, norm_post)).chunk(2, dim=-1)
+        return x + down_proj(F.silu(gate) * up)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [R, columns] of final hidden states [R, hidden]."""

@@ -261,6 +261,17 @@ def resolve_dtype(name: str) -> torch.dtype:
     return torch.float32
 
 
+def training_dtype() -> torch.dtype:
+    """The dtype large products of head training run fastest in: bfloat16 on CUDA and on CPUs
+    with native bf16 products (AVX512-BF16, AMX), else float32 (an AVX2 CPU multiplies bf16
+    matrices ~5x slower than float32: it has no bf16 arithmetic)."""
+    from specmesh_kernels.linear import cpu_has
+
+    if torch.cuda.is_available():
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    return torch.bfloat16 if cpu_has("avx512_bf16", "amx_bf16") else torch.float32
+
+
 def load_model(path: Path, dtype: torch.dtype, num_layers: int | None = None,
                linear: str = "auto", weights: str = "float", row_stable: bool = False):
     """Loads a causal LM for inference; `num_layers` keeps only its first layers (plus the final

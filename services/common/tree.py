@@ -126,6 +126,7 @@ class CompiledTree:
     depths: torch.Tensor  # [n + 1] long, root 0: position offset from the root's position
     ancestors: torch.Tensor  # [n + 1, n + 1] bool, row i attends to row j (self included)
     children: list[list[int]] = field(default_factory=list)  # [n + 1] child rows of each row
+    parents: torch.Tensor | None = None  # [n + 1] long, parent row of each row (root: -1)
 
     @property
     def num_rows(self) -> int:
@@ -147,4 +148,6 @@ def compile_tree(tree: TokenTree, root_token: int) -> CompiledTree:
         depths[row] = depths[parent] + 1
         children[parent].append(row)
     tokens = torch.tensor([root_token, *tree.tokens], dtype=torch.long)
-    return CompiledTree(tokens=tokens, depths=depths, ancestors=ancestors, children=children)
+    parents = torch.tensor([-1, *parent_rows[1:]], dtype=torch.long)
+    return CompiledTree(tokens=tokens, depths=depths, ancestors=ancestors, children=children,
+                        parents=parents)

@@ -50,31 +50,13 @@ class HeadsDrafter:
     (docs/decisions/heads-in-verifier.md)."""
 
     def __init__(self, heads: GroundedHeads, meta: dict, weights: str | None = "auto") -> None:
-        from torch import nn
-
-        from specmesh_kernels.linear import int4_supports, int8_supports, quantize_linears
-
         self.meta = meta
         self.depth = heads.num_heads
         self.grounded = heads.grounded
         self.vocab = heads.vocab
-        device = heads.lm_head.device
-        if weights == "auto":  # int8 first: the int4 kernel slows with the rows of a level
-            weights = "int8" if int8_supports() is None else \
-                "int4" if int4_supports() is None else None
-        quantized = weights if device.type == "cpu" else None
-        dtype = torch.float32 if quantized or device.type == "cpu" else heads.lm_head.dtype
-        lm = nn.Linear(heads.hidden_size, heads.lm_head.shape[0], bias=False, device=device,
-                       dtype=dtype)
-        with torch.no_grad():
-            lm.weight.copy_(heads.lm_head)
-        self.layers = nn.ModuleDict({"up": copy.deepcopy(heads.up),
-                                     "down": copy.deepcopy(heads.down), "lm": lm}).to(dtype)
-        if quantized:
-            quantize_linears(self.layers, quantized)
+        self.layers, self.dtype, self.weights = served_products(heads.up, heads.down,
+                                                                heads.lm_head, weights)
         self.embed = heads.embed  # the target's, as served
-        self.dtype = dtype
-        self.weights = quantized or str(dtype).removeprefix("torch.")
 
     @classmethod
     def load(cls, folder: Path, model: str, tokenizer: str, embed: torch.Tensor,
@@ -137,6 +119,32 @@ class HeadsDrafter:
             frontier = [n for cands in level
                         for n in sorted(cands, key=lambda n: -n.score)[:FRONTIER]]
         return [_best(tree, limit) for tree, limit in zip(nodes, max_nodes)]
+
+
+def served_products(up, down, lm_head: torch.Tensor, weights: str | None = "auto"):
+    """A small head's products (copies of its `up` and `down` layers, and `lm`: the LM head
+    rows [V', H] it reads out with) served for speed: on a CPU in int8 (FBGEMM; int4 where it
+    does not run; `weights` None: float32), float32 activations; elsewhere in the target's
+    dtype. Returns (the products as a ModuleDict, activation dtype, weights' name)."""
+    from torch import nn
+
+    from specmesh_kernels.linear import int4_supports, int8_supports, quantize_linears
+
+    target_dtype, device = lm_head.dtype, lm_head.device
+    lm = nn.Linear(lm_head.shape[1], lm_head.shape[0], bias=False, device=device,
+                   dtype=target_dtype)
+    with torch.no_grad():
+        lm.weight.copy_(lm_head)
+    layers = nn.ModuleDict({"up": copy.deepcopy(up), "down": copy.deepcopy(down), "lm": lm})
+    if weights == "auto":  # int8 first: the int4 kernel slows with the rows of a level
+        weights = "int8" if int8_supports() is None else \
+            "int4" if int4_supports() is None else None
+    quantized = weights if device.type == "cpu" else None
+    dtype = torch.float32 if quantized or device.type == "cpu" else target_dtype
+    layers = layers.to(dtype)
+    if quantized:
+        quantize_linears(layers, quantized)
+    return layers, dtype, quantized or str(dtype).removeprefix("torch.")
 
 
 def _best(candidates: list[tuple[_Node, int]], limit: int) -> TokenTree:

@@ -8,6 +8,8 @@ is cut into windows of `seq_len` tokens, and the windows run through the target 
     shard-00000.safetensors  tokens  int32 [n]      the windows' tokens, back to back
                              hidden  [n, H]         the target's final (normalized) hidden state
                                                     at each token: the LM head's input (bf16)
+                             layer-<n>  [n, H]      with `layers`: the residual stream after
+                                                    layer n (what ProPD's early head reads, bf16)
                              starts  int64 [w + 1]  where each window starts in `tokens`
     meta.json                model, tokenizer family, hidden size, seq_len, corpus, dtype,
                              shards [{file, tokens, windows}], records (conversations read),
@@ -47,9 +49,11 @@ class HiddenStatesMismatch(ValueError):
     """The folder holds hidden states of another model, tokenizer or window length."""
 
 
-def default_dir(settings: Settings, corpus: str, seq_len: int) -> Path:
+def default_dir(settings: Settings, corpus: str, seq_len: int, layers: tuple[int, ...] = ()
+                ) -> Path:
     name = corpus if corpus == "sharegpt" else Path(corpus).stem
-    return Path(settings.cache_dir) / "heads" / settings.model / f"hidden-{name}-{seq_len}"
+    suffix = "".join(f"-l{n}" for n in layers)
+    return Path(settings.cache_dir) / "heads" / settings.model / f"hidden-{name}-{seq_len}{suffix}"
 
 
 def windows(ids: list[int], seq_len: int) -> list[list[int]]:
@@ -73,6 +77,7 @@ def conversations(path: Path, tokenizer) -> Iterator[list[int]]:
 class _Shard:
     tokens: list[torch.Tensor] = field(default_factory=list)
     hidden: list[torch.Tensor] = field(default_factory=list)
+    layers: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -82,20 +87,26 @@ class _Shard:
 def extract(settings: Settings, max_tokens: int | None, corpus: str = "sharegpt",
             out: Path | None = None, seq_len: int = 512, batch_size: int = 8,
             shard_tokens: int = 1 << 16, max_seconds: float | None = None,
-            progress: bool = True) -> dict:
+            progress: bool = True, layers: tuple[int, ...] = ()) -> dict:
     """Hidden states of at least `max_tokens` corpus tokens (whole conversations; fewer if the
     corpus runs out or `max_seconds` pass; None: the whole corpus) in `out`; returns its meta.
-    Resumes what is there."""
+    `layers`: also the residual stream after each of these layers. Resumes what is there."""
     if seq_len < 2 or batch_size < 1 or shard_tokens < 1:
         raise ValueError("need seq_len >= 2, batch_size >= 1 and shard_tokens >= 1")
     path = models.resolve(settings.model, settings.cache_dir)
     tokenizer = models.load_tokenizer(path)
     dtype = models.resolve_dtype(settings.dtype)
     config = models.load_config(path)
-    out = Path(out) if out is not None else default_dir(settings, corpus, seq_len)
+    layers = tuple(sorted(set(layers)))
+    if any(not 1 <= n < config.num_hidden_layers for n in layers):
+        raise ValueError(f"layers must lie in 1 .. {config.num_hidden_layers - 1} (the model has "
+                         f"{config.num_hidden_layers})")
+    out = Path(out) if out is not None else default_dir(settings, corpus, seq_len, layers)
     want = {"format_version": FORMAT_VERSION, "model": settings.model,
             "tokenizer": tokenizer_family(tokenizer), "hidden_size": config.hidden_size,
             "seq_len": seq_len, "corpus": corpus}
+    if layers:
+        want["layers"] = list(layers)
     meta = load_meta(out)
     if meta is None:
         meta = {**want, "dtype": str(dtype).removeprefix("torch."), "shards": [], "records": 0,
@@ -126,7 +137,7 @@ def extract(settings: Settings, max_tokens: int | None, corpus: str = "sharegpt"
             read = index + 1
             if len(pending) < batch_size:
                 continue
-            done = _run(model, pending, batch_size, shard)
+            done = _run(model, pending, batch_size, shard, layers)
             pending = []
             if bar is not None:
                 bar.update(done)
@@ -139,7 +150,7 @@ def extract(settings: Settings, max_tokens: int | None, corpus: str = "sharegpt"
                 break
         else:
             if pending:
-                done = _run(model, pending, batch_size, shard)
+                done = _run(model, pending, batch_size, shard, layers)
                 if bar is not None:
                     bar.update(done)
             meta["complete"] = True
@@ -152,11 +163,14 @@ def extract(settings: Settings, max_tokens: int | None, corpus: str = "sharegpt"
 
 
 @torch.inference_mode()
-def _run(model, pending: list[list[int]], batch_size: int, shard: _Shard) -> int:
+def _run(model, pending: list[list[int]], batch_size: int, shard: _Shard,
+         layers: tuple[int, ...] = ()) -> int:
     """Runs the windows through the target (the longest together: less padding); appends each
-    window's tokens and hidden states to the shard in the order given. Returns the tokens."""
+    window's tokens and hidden states (and `layers`' states) to the shard in the order given.
+    Returns the tokens."""
     order = sorted(range(len(pending)), key=lambda i: -len(pending[i]))
     hidden: dict[int, torch.Tensor] = {}
+    early: dict[tuple[int, int], torch.Tensor] = {}
     for at in range(0, len(order), batch_size):
         group = order[at:at + batch_size]
         width = len(pending[group[0]])
@@ -165,12 +179,17 @@ def _run(model, pending: list[list[int]], batch_size: int, shard: _Shard) -> int
         for row, i in enumerate(group):
             ids[row, :len(pending[i])] = torch.tensor(pending[i])
             mask[row, :len(pending[i])] = 1
-        states = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        out = model.model(input_ids=ids, attention_mask=mask, output_hidden_states=bool(layers))
+        states = out.last_hidden_state
         for row, i in enumerate(group):
             hidden[i] = states[row, :len(pending[i])].to(torch.bfloat16).clone()
+            for n in layers:  # hidden_states[n]: the output of layer n (0: the embeddings)
+                early[i, n] = out.hidden_states[n][row, :len(pending[i])].to(torch.bfloat16).clone()
     for i, window in enumerate(pending):
         shard.tokens.append(torch.tensor(window, dtype=torch.int32))
         shard.hidden.append(hidden[i])
+        for n in layers:
+            shard.layers.setdefault(n, []).append(early[i, n])
     return sum(len(w) for w in pending)
 
 
@@ -183,7 +202,9 @@ def _write(out: Path, meta: dict, shard: _Shard, records: int) -> None:
         lengths = torch.tensor([0] + [int(t.numel()) for t in shard.tokens], dtype=torch.int64)
         tmp = out / f".{name}.tmp"
         save_file({"tokens": torch.cat(shard.tokens), "hidden": torch.cat(shard.hidden),
-                   "starts": torch.cumsum(lengths, 0)}, str(tmp))
+                   "starts": torch.cumsum(lengths, 0),
+                   **{f"layer-{n}": torch.cat(states) for n, states in shard.layers.items()}},
+                  str(tmp))
         os.replace(tmp, out / name)
         meta["shards"].append({"file": name, "tokens": shard.size,
                                "windows": len(shard.tokens)})
@@ -213,3 +234,17 @@ def load_shard(out: Path, entry: dict) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(Path(out) / entry["file"]))
+
+
+def split_windows(hidden_dir: Path, held_out: bool, hold_out_every: int
+                  ) -> Iterator[tuple[dict[str, torch.Tensor], int, int]]:
+    """(shard, start, end) of every window of the training split (`held_out`: of the held-out
+    one: every `hold_out_every`-th window), in data order."""
+    window = 0
+    for entry in require_meta(hidden_dir)["shards"]:
+        shard = load_shard(hidden_dir, entry)
+        starts = shard["starts"].tolist()
+        for a, b in zip(starts, starts[1:]):
+            if (window % hold_out_every == hold_out_every - 1) == held_out:
+                yield shard, a, b
+            window += 1

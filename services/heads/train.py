@@ -73,22 +73,17 @@ def examples(hidden_dir: Path, num_heads: int, held_out: bool) -> Examples:
     order."""
     meta = extract.require_meta(hidden_dir)
     states, at, inputs, targets = [], [], [], []
-    window = offset = 0
-    for entry in meta["shards"]:
-        shard = extract.load_shard(hidden_dir, entry)
-        starts = shard["starts"].tolist()
-        for a, b in zip(starts, starts[1:]):
-            keep = (window % HOLD_OUT_EVERY == HOLD_OUT_EVERY - 1) == held_out
-            window += 1
-            n = b - a - 1 - num_heads  # positions with all K targets in the window
-            if not keep or n < 1:
-                continue
-            tokens = shard["tokens"][a:b].long()
-            states.append(shard["hidden"][a:b])
-            at.append(torch.arange(offset, offset + n))
-            offset += b - a
-            inputs.append(torch.stack([tokens[1 + j:1 + j + n] for j in range(num_heads)], 1))
-            targets.append(torch.stack([tokens[2 + j:2 + j + n] for j in range(num_heads)], 1))
+    offset = 0
+    for shard, a, b in extract.split_windows(hidden_dir, held_out, HOLD_OUT_EVERY):
+        n = b - a - 1 - num_heads  # positions with all K targets in the window
+        if n < 1:
+            continue
+        tokens = shard["tokens"][a:b].long()
+        states.append(shard["hidden"][a:b])
+        at.append(torch.arange(offset, offset + n))
+        offset += b - a
+        inputs.append(torch.stack([tokens[1 + j:1 + j + n] for j in range(num_heads)], 1))
+        targets.append(torch.stack([tokens[2 + j:2 + j + n] for j in range(num_heads)], 1))
     if not states:
         return Examples(torch.zeros(0, meta["hidden_size"], dtype=torch.bfloat16),
                         torch.zeros(0, dtype=torch.long),
@@ -105,13 +100,14 @@ def draft_vocab(data: Examples, size: int, vocab_size: int, always: list[int]) -
 
 
 def target_matrices(settings: Settings) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """The target's input embeddings and LM head [V, H], in the serving dtype, and its
-    tokenizer's special token ids."""
+    """The target's input embeddings (in the serving dtype) and LM head [V, H] (in the dtype
+    its products train fastest in here: `models.training_dtype`), and its tokenizer's special
+    token ids."""
     path = models.resolve(settings.model, settings.cache_dir)
     dtype = models.resolve_dtype(settings.dtype)
     model = models.load_model(path, dtype, linear="torch")
     embed = model.get_input_embeddings().weight.detach().to(dtype)
-    head = model.get_output_embeddings().weight.detach().to(dtype)
+    head = model.get_output_embeddings().weight.detach().to(models.training_dtype())
     return embed, head, list(models.load_tokenizer(path).all_special_ids)
 
 

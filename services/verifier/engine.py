@@ -222,8 +222,10 @@ class VerifierEngine:
             nodes = sum(len(p.tree) for p in planned.values() if p.tree is not None)
             shape = (trees, nodes, sum(p.segment.num_rows for p in planned.values()))
             hidden = self.target.hidden or [None] * len(planned)
-            for (i, plan), rows, states in zip(planned.items(), logits, hidden):
-                results[i] = self._commit(plan, rows, seconds, shape, states)
+            kept = self.target.survivors if self.target.lean is not None else []
+            kept = kept or [None] * len(planned)
+            for (i, plan), rows, states, alive in zip(planned.items(), logits, hidden, kept):
+                results[i] = self._commit(plan, rows, seconds, shape, states, alive)
             self._observe(list(planned.values()), trees, seconds, forward_end - forward_start,
                           time.perf_counter() - forward_end)
         return [results[i] for i in range(len(items))]
@@ -268,7 +270,8 @@ class VerifierEngine:
         root = len(req.tokens) - 1
         positions = torch.cat([torch.arange(cached, root), root + compiled.depths])
         tokens = torch.cat([torch.tensor(chain, dtype=torch.long), compiled.tokens])
-        return Segment(request_id, cached, tokens, positions, mask, logits_from=c)
+        return Segment(request_id, cached, tokens, positions, mask, logits_from=c,
+                       parents=compiled.parents)
 
     def _make_room(self, request_id: str, positions: int, in_batch: list[_Planned],
                    may_evict: bool) -> bool:
@@ -302,9 +305,11 @@ class VerifierEngine:
 
     # commit -----------------------------------------------------------------------------------
     def _commit(self, plan: _Planned, logits: torch.Tensor, seconds: float,
-                shape: tuple[int, int, int], hidden: torch.Tensor | None = None) -> StepResult:
+                shape: tuple[int, int, int], hidden: torch.Tensor | None = None,
+                kept: torch.Tensor | None = None) -> StepResult:
         """`shape`: (trees, their nodes, rows) of the whole step; `hidden`: the tree rows' final
-        hidden states, when the target gives them."""
+        hidden states, when the target gives them; `kept`: the compiled rows early pruning kept
+        (`logits` and `hidden` hold those rows only), None: all."""
         req, seg = plan.req, plan.segment
         req.last_used = time.monotonic()
         self.prefill_rows += seg.logits_from
@@ -312,10 +317,14 @@ class VerifierEngine:
             self.store.set_length(plan.request_id, seg.start + seg.num_rows)
             return StepResult(plan.request_id)
         root = len(req.tokens) - 1
-        result = walk(plan.compiled, logits, req.sampler, req.tokens)
+        compiled = plan.compiled if kept is None else _subtree(plan.compiled, kept.tolist())
+        result = walk(compiled, logits, req.sampler, req.tokens)
+        local = result.rows  # rows of the walked tree: of the survivors' logits and states
+        if kept is not None:  # back to the rows of the tree as drafted
+            result = WalkResult([int(kept[r]) for r in local], result.tokens, result.bonus)
         self.store.commit(plan.request_id, root, [0, *result.rows])
         if hidden is not None:
-            req.hidden = hidden[[0, *result.rows]]
+            req.hidden = hidden[[0, *local]]
         req.tokens.extend([*result.tokens, result.bonus])
         return StepResult(plan.request_id, StepOutcome(result, len(plan.tree), seconds, *shape))
 
@@ -392,6 +401,15 @@ class VerifierEngine:
             (done,) = self.step_entries([entry])
             if done is not None:
                 return done
+
+
+def _subtree(compiled: CompiledTree, kept: list[int]) -> CompiledTree:
+    """The compiled tree of the rows `kept` (sorted, root 0 first, each row's parent kept)."""
+    index = {row: i for i, row in enumerate(kept)}
+    parents = compiled.parents.tolist()
+    tree = TokenTree(tuple(int(compiled.tokens[r]) for r in kept[1:]),
+                     tuple(index[parents[r]] - 1 for r in kept[1:]))
+    return compile_tree(tree, int(compiled.tokens[0]))
 
 
 def _chain_segment(request_id: str, tokens: list[int], start: int) -> Segment:

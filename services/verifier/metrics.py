@@ -34,6 +34,10 @@ class VerifierMetrics:
                                  registry=r)
         self.evictions = Gauge("specmesh_verifier_evictions", "requests evicted since start",
                                registry=r)
+        self.judged = Gauge("specmesh_verifier_prune_judged_nodes", "tree nodes the early "
+                            "pruning head judged since start", registry=r)
+        self.pruned = Gauge("specmesh_verifier_pruned_nodes", "tree nodes early pruning removed "
+                            "after its layer since start (ProPD)", registry=r)
         self.cost = Gauge("specmesh_verifier_cost_coefficient",
                           "fitted step cost: seconds = sum(coefficient * feature)", ["feature"],
                           registry=r)
@@ -57,6 +61,8 @@ class VerifierMetrics:
         regression over up to a thousand steps (~1 ms), and at every step it took a quarter of
         the event loop's busy time, on the cores the next forward pass runs on."""
         self._cost_of = engine
+        self.judged.set_function(lambda: getattr(engine.target.pruner, "nodes", 0))
+        self.pruned.set_function(lambda: getattr(engine.target.pruner, "pruned", 0))
         for feature, attr in (("intercept", "intercept_s"), ("rows", "per_row_s"),
                               ("context", "per_context_s"), ("segments", "per_segment_s")):
             self.cost.labels(feature).set_function(

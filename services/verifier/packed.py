@@ -29,6 +29,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from specmesh_kernels.backend import AttentionBackend
 from specmesh_services.common.lean import LeanDecoder
 from specmesh_services.common.lm import attention_implementation, model_configs
+from specmesh_services.verifier import prune
 from specmesh_services.verifier.kv import KVStore
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class Segment:
     positions: torch.Tensor  # [n] long position ids (start + index for a chain, + depth in a tree)
     mask: torch.Tensor  # [n, n] bool: new row i may attend new row j
     logits_from: int  # rows >= this need logits (the tree part); n = none (a prefill chunk)
+    parents: torch.Tensor | None = None  # tree rows' parent rows (root -1): early pruning
 
     @property
     def num_rows(self) -> int:
@@ -102,6 +104,10 @@ class PackedTarget:
         self.backend = backend
         self.device = store.k.device
         self.hidden: list[torch.Tensor] = []
+        # early pruning (verifier/prune.py, lean target only): after a forward, each segment's
+        # kept tree rows (None: all of them)
+        self.pruner = None
+        self.survivors: list[torch.Tensor | None] = []
 
     @torch.inference_mode()
     def forward(self, segments: list[Segment]) -> list[torch.Tensor]:
@@ -116,9 +122,12 @@ class PackedTarget:
     def _run_lean(self, segments: list[Segment], batch: PackedBatch, keep: torch.Tensor
                   ) -> list[torch.Tensor]:
         lean, store = self.lean, self.store
+        self.survivors = [None] * len(segments)
+        current = [batch]  # what attention reads: switched to the survivors' after pruning
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                    ) -> torch.Tensor:
+            batch = current[0]
             k_layer, v_layer = store.k[layer], store.v[layer]  # [slots, KVH, D]
             k_layer.index_copy_(0, batch.new_slots, k.to(k_layer.dtype))
             v_layer.index_copy_(0, batch.new_slots, v.to(v_layer.dtype))
@@ -138,13 +147,33 @@ class PackedTarget:
                 prompt = prompt.numel()
             else:
                 prompt = prompt.to(self.device)
-        hidden = lean.run(tokens, positions, attend, keep.to(self.device), prompt)
+        hidden = lean.run(tokens, positions, attend, keep.to(self.device), prompt,
+                          self._prune_hook(segments, current))
         if hidden is None:  # prefill chunks only
             self.hidden = [torch.empty(0) for _ in segments]
             return [torch.empty(0) for _ in segments]
-        sizes = [s.num_rows - s.logits_from for s in segments]
+        sizes = [s.num_rows - s.logits_from if kept is None else int(kept.numel())
+                 for s, kept in zip(segments, self.survivors)]
         self.hidden = list(hidden.split(sizes))
         return list(lean.logits(hidden).split(sizes))
+
+    def _prune_hook(self, segments: list[Segment], current: list[PackedBatch]):
+        """(layer, keep) for `LeanDecoder.run` when the pruner has tree nodes to judge."""
+        offsets = torch.tensor([0, *(s.num_rows for s in segments)]).cumsum(0).tolist()
+        nodes = prune.plan(segments, offsets) if self.pruner is not None else None
+        if nodes is None:
+            return None
+
+        def keep(x: torch.Tensor) -> torch.Tensor | None:
+            alive = self.pruner.keep(x, nodes)
+            if alive is None:
+                return None
+            rows = [alive[a:a + s.num_rows] for s, a in zip(segments, offsets)]
+            current[0] = self._build(segments, rows)[0]
+            self.survivors = [None if bool(r.all()) else r[s.logits_from:].nonzero().squeeze(1)
+                              for s, r in zip(segments, rows)]
+            return alive.to(x.device)
+        return self.pruner.layer, keep
 
     def _run(self, segments: list[Segment], batch: PackedBatch, keep: torch.Tensor
              ) -> list[torch.Tensor]:
@@ -165,17 +194,26 @@ class PackedTarget:
             at += n
         return pieces
 
-    def _build(self, segments: list[Segment]) -> tuple[PackedBatch, torch.Tensor]:
+    def _build(self, segments: list[Segment], alive: list[torch.Tensor] | None = None
+               ) -> tuple[PackedBatch, torch.Tensor]:
+        """The batch metadata of `segments` (`alive`: each segment's new rows kept by early
+        pruning; their mask is the compiled one subsampled, the rest of the pass drops the
+        others) and the rows that get logits."""
         store = self.store
         new_slots, kv_slots, masks, keep = [], [], [], []
         qo, kv, mk = [0], [0], [0]
-        for s in segments:
+        for i, s in enumerate(segments):
             n = s.num_rows
             assert s.mask.shape == (n, n) and s.positions.shape == (n,), "segment shapes"
             slots = store.slots(s.request_id, 0, s.start + n)
+            new, mask = slots[s.start:], s.mask
+            if alive is not None:
+                rows = alive[i]
+                new, mask, n = new[rows], mask[rows][:, rows], int(rows.sum())
+                slots = torch.cat([slots[:s.start], new])
             kv_slots.append(slots)
-            new_slots.append(slots[s.start:])
-            masks.append(s.mask.reshape(-1))
+            new_slots.append(new)
+            masks.append(mask.reshape(-1))
             keep.append(torch.arange(qo[-1] + s.logits_from, qo[-1] + n))
             qo.append(qo[-1] + n)
             kv.append(kv[-1] + s.start + n)

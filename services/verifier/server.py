@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 import torch
 
@@ -98,11 +99,42 @@ def build_engine(target: CausalLM | LeanDecoder, settings: Settings, name: str) 
         engine.heads = load_for_target(settings, heads_spec(settings))
         log.info("draft heads %s: %d heads over %d tokens, %s weights", heads_spec(settings),
                  engine.heads.depth, engine.heads.vocab.numel(), engine.heads.weights)
+    if v.prune != "off":
+        if not isinstance(target, LeanDecoder):
+            raise ValueError("early pruning needs the lean target forward (target_runner=lean)")
+        engine.target.pruner = load_pruner(settings)
+        log.info("early pruning after layer %d, Top-%d (%s weights)", engine.target.pruner.layer,
+                 v.prune_top_k, engine.target.pruner.weights)
     log.info("verifier %s: KV budget %d rows (%.0f MiB), batch %d trees / %d rows, attention %s",
              name, engine.store.capacity,
              engine.store.capacity * engine.store.bytes_per_token() / 2**20, v.batch_size,
              v.max_batch_tokens, backend.name)
     return engine
+
+
+def load_pruner(settings: Settings):
+    """The early pruner `settings.verifier` names, over the target's LM head and final norm in
+    this machine's fast dtype."""
+    from specmesh_services.common.datastore_files import tokenizer_family
+    from specmesh_services.heads import early
+    from specmesh_services.verifier.prune import EarlyPruner
+
+    v = settings.verifier
+    folder = (early.default_folder(settings, settings.model, v.prune_layer) if v.prune == "on"
+              else Path(v.prune))
+    if folder is None:
+        raise FileNotFoundError(f"no early head for {settings.model}"
+                                f"{'' if v.prune_layer is None else f' at layer {v.prune_layer}'}"
+                                f": train one with `specmesh heads early --model {settings.model}`")
+    path = models.resolve(settings.model, settings.cache_dir)
+    model = models.load_model(path, models.resolve_dtype(settings.dtype), linear="torch")
+    head = early.load(folder, settings.model, tokenizer_family(models.load_tokenizer(path)),
+                      model.get_output_embeddings().weight.detach(),
+                      model.model.norm.weight.detach(), model.config.rms_norm_eps)
+    if head.layer >= model.config.num_hidden_layers:
+        raise ValueError(f"early head of layer {head.layer}: the target has "
+                         f"{model.config.num_hidden_layers} layers")
+    return EarlyPruner(head, v.prune_top_k)
 
 
 async def start(settings: Settings):
