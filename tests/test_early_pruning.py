@@ -107,7 +107,7 @@ def test_first_token_below_pruned_trees_follows_the_target_softmax(lean, lens, t
     tree = TokenTree((ranked[0], ranked[1], early_ranked[-1], ranked[0], ranked[2]),
                      (-1, -1, -1, 2, -1))
     engine = engine_with(lean, lens, top_k=2)
-    rounds, per = 200, 4
+    rounds, per = 120, 4
     counts = torch.zeros_like(probs)
     for r in range(rounds):
         items = []

@@ -1,5 +1,6 @@
-"""The verifier's Prometheus metrics (metrics.py): step histograms, KV gauges, and the fitted
-step-cost coefficients, which are computed when scraped rather than at every step."""
+"""The verifier's Prometheus metrics (metrics.py): step histograms, KV gauges, early pruning's
+counts, and the fitted step-cost coefficients, which are computed when scraped rather than at
+every step."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -17,7 +18,8 @@ def sample(metrics: VerifierMetrics, name: str, labels: dict | None = None) -> f
 
 def test_cost_coefficients_follow_the_fit_at_scrape_time():
     cost = VerifyCostModel(min_samples=4)
-    engine = SimpleNamespace(cost=cost, evictions=2,
+    pruner = SimpleNamespace(nodes=0, pruned=0)
+    engine = SimpleNamespace(cost=cost, evictions=2, target=SimpleNamespace(pruner=pruner),
                              store=SimpleNamespace(used_blocks=3, block_size=16, capacity=1024))
     metrics = VerifierMetrics()
     stats = StepStats(rows=9, context=300, segments=2, trees=2, seconds=0.05)
@@ -34,3 +36,8 @@ def test_cost_coefficients_follow_the_fit_at_scrape_time():
     assert sample(metrics, "specmesh_verifier_kv_used_tokens") == 48
     assert sample(metrics, "specmesh_verifier_accepted_tokens_total") == 4
     assert b"specmesh_verifier_step_seconds_count 2.0" in generate_latest(metrics.registry)
+    pruner.nodes, pruner.pruned = 40, 25  # early pruning's counters, read when scraped
+    assert sample(metrics, "specmesh_verifier_prune_judged_nodes") == 40
+    assert sample(metrics, "specmesh_verifier_pruned_nodes") == 25
+    engine.target.pruner = None  # pruning off
+    assert sample(metrics, "specmesh_verifier_pruned_nodes") == 0
