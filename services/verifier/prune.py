@@ -46,8 +46,9 @@ class EarlyPruner:
         self.meta = getattr(head, "meta", {})
         self.products, self.dtype, self.weights = served_products(head.up, head.down,
                                                                   head.lm_head, weights)
-        self.norm = head.norm.detach().to(self.dtype)
-        self.columns = head.columns
+        self.device = head.lm_head.device
+        self.norm = head.norm.detach().to(self.device, self.dtype)
+        self.columns = head.columns.cpu()
         self.nodes = 0  # nodes seen and pruned, since start
         self.pruned = 0
 
@@ -59,7 +60,7 @@ class EarlyPruner:
     def keep(self, x: torch.Tensor, plan: PrunePlan) -> torch.Tensor | None:
         """[T] bool: the rows that go on (None: every row)."""
         parents, inverse = torch.unique(plan.parent_rows, return_inverse=True)
-        logits = self.logits(x[parents.to(x.device)]).cpu()
+        logits = self.logits(x[parents.to(x.device)].to(self.device)).cpu()
         k = min(self.top_k, logits.shape[1])
         threshold = logits.topk(k, dim=-1).values[:, -1]
         column = self.columns[plan.tokens]
