@@ -222,8 +222,7 @@ class VerifierEngine:
             nodes = sum(len(p.tree) for p in planned.values() if p.tree is not None)
             shape = (trees, nodes, sum(p.segment.num_rows for p in planned.values()))
             hidden = self.target.hidden or [None] * len(planned)
-            kept = self.target.survivors if self.target.lean is not None else []
-            kept = kept or [None] * len(planned)
+            kept = self.target.survivors
             for (i, plan), rows, states, alive in zip(planned.items(), logits, hidden, kept):
                 results[i] = self._commit(plan, rows, seconds, shape, states, alive)
             self._observe(list(planned.values()), trees, seconds, forward_end - forward_start,

@@ -159,8 +159,10 @@ class PackedTarget:
 
     def _prune_hook(self, segments: list[Segment], current: list[PackedBatch]):
         """(layer, keep) for `LeanDecoder.run` when the pruner has tree nodes to judge."""
+        if self.pruner is None:
+            return None
         offsets = torch.tensor([0, *(s.num_rows for s in segments)]).cumsum(0).tolist()
-        nodes = prune.plan(segments, offsets) if self.pruner is not None else None
+        nodes = prune.plan(segments, offsets)
         if nodes is None:
             return None
 
@@ -178,6 +180,7 @@ class PackedTarget:
     def _run(self, segments: list[Segment], batch: PackedBatch, keep: torch.Tensor
              ) -> list[torch.Tensor]:
         self.hidden = []
+        self.survivors = [None] * len(segments)  # no early pruning on this path
         tokens = torch.cat([s.tokens for s in segments]).view(1, -1).to(self.device)
         positions = torch.cat([s.positions for s in segments]).view(1, -1).to(self.device)
         if keep.numel() == 0:  # prefill chunks only: skip the LM head
