@@ -326,17 +326,18 @@ def test_router_prices_each_arm_from_its_models_measured_cost():
                       drafter_costs=costs)
 
     r = router({"a": 0.05, "b": 0.01})
-    assert r.draft_prior("a")(2) == pytest.approx(0.10)
-    assert r.draft_prior("b")(9) == pytest.approx(0.04), "no deeper than the configured depth"
-    assert r.draft_prior("vote")(8) == pytest.approx(4 * 0.06), "every model drafts"
-    assert r.draft_prior("datastore") is None
-    assert router({"a": 0.05, "b": 0.0}).draft_prior("vote") is None
+    assert r.arms.get("a").draft_prior(2) == pytest.approx(0.10)
+    assert r.arms.get("b").draft_prior(9) == pytest.approx(0.04), \
+        "no deeper than the configured depth"
+    assert r.arms.get("vote").draft_prior(8) == pytest.approx(4 * 0.06), "every model drafts"
+    assert r.arms.get("datastore").draft_prior is None
+    assert router({"a": 0.05, "b": 0.0}).arms.get("vote").draft_prior is None
     assert r.sizing_for("a").draft_prior(3) == pytest.approx(0.15)
     # one configured drafter ("" = its first model)
     fixed = spec.with_overrides(**{"speculation.selection": "fixed", "speculation.voting": False,
                                    "speculation.source": "model"}).speculation
-    assert router({"m": 0.02}, names=(), speculation=fixed).draft_prior("configured")(4) == \
-        pytest.approx(0.08)
+    assert router({"m": 0.02}, names=(), speculation=fixed).arms.get(
+        "configured").draft_prior(4) == pytest.approx(0.08)
 
 
 def test_drafting_time_is_recorded_at_the_size_drafted():

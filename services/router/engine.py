@@ -21,7 +21,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -34,6 +34,7 @@ from specmesh_services.common.pool import Pool
 from specmesh_services.common.sampling import SamplingParams
 from specmesh_services.common.text import TextStream
 from specmesh_services.common.tree import TokenTree
+from specmesh_services.router.arms import DATASTORE_ARM, FIXED_ARM, ArmSet, DraftArm
 from specmesh_services.router.batching import MicroBatcher
 from specmesh_services.router.policy import (BatchShare, PassTimes, RequestSizing, StepChoice,
                                     TreeSizing, VerifyStep, bucket_of)
@@ -44,11 +45,6 @@ from specmesh.v1 import common_pb2, datastore_pb2, drafter_pb2, pool_pb2, router
 
 log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)
-
-FIXED_ARM = "configured"  # no selection: the sources `speculation.source` names, merged
-DATASTORE_ARM = "datastore"
-VOTE_ARM = "vote"  # every source drafts, the majority-voted path is verified
-DATASTORE_CAPACITY = 1024  # requests one lookup call serves (the service's batch limit)
 
 
 @dataclass(frozen=True)
@@ -83,7 +79,9 @@ class Router:
         self.speculation = speculation
         self.settings = settings
         self.router_id = router_id or f"router-{uuid.uuid4().hex[:12]}"
-        self.drafter_name = drafter_name
+        # what each arm drafts with, and its limits and costs
+        self.arms = ArmSet.build(speculation, drafter_name, drafter_names or [drafter_name],
+                                 drafter_costs or {})
         self._waiting: dict[tuple[str, int], asyncio.Future] = {}
         self._dispatcher: asyncio.Task | None = None
         self.live: dict[str, int] = {}  # requests being generated -> prompt length
@@ -103,23 +101,15 @@ class Router:
             seconds=lambda response, n: [response.lookup_seconds / n] * n)
         self.backpressure_waits = 0
         self._sizings: dict[str, TreeSizing] = {}  # per arm: step times, prior acceptance
-        self.drafter_names = list(drafter_names or [drafter_name])
-        # the verifier's draft heads are one of the drafters: it drafts their tree for a
-        # request's next step with each result (DraftEntry.heads_nodes)
-        self.heads = HEADS in self.drafter_names and speculation.source != "datastore"
-        self.drafter_costs = dict(drafter_costs or {})  # 0 = not measured
         # majority vote (Minions 3.2) over every source: the configured arm with selection=fixed,
         # else one more arm for the selection
-        self.voter: MajorityVoter | None = None
-        if speculation.voting and speculation.depth > 0:
-            voters = [*(self.drafter_names if speculation.source != "datastore" else []),
-                      *([DATASTORE_ARM] if speculation.source != "model" else [])]
-            self.voter = MajorityVoter(voters)
+        self.voter = MajorityVoter(self.arms.voters) if self.arms.voters else None
         self._votes_since_update = 0
         self.selection: Selection | None = None
         if speculation.selection != "fixed" and speculation.depth > 0:
-            self.selection = make_selection(speculation.selection, self.arms(self.drafter_names),
-                                            speculation.slot_s, epsilon=speculation.epsilon)
+            self.selection = make_selection(
+                speculation.selection, [Arm(a.name, a.capacity) for a in self.arms.selectable],
+                speculation.slot_s, epsilon=speculation.epsilon)
 
     @property
     def in_flight(self) -> int:
@@ -137,17 +127,6 @@ class Router:
                 seconds += draft_s
         return BatchShare(nodes, tokens, requests, seconds)
 
-    def arms(self, drafter_names: list[str]) -> list[Arm]:
-        """What a selection chooses from, cheapest first: the datastore, then the drafter's
-        models in the order they are configured."""
-        source = self.speculation.source
-        out = [Arm(DATASTORE_ARM, DATASTORE_CAPACITY)] if source != "model" else []
-        if source != "datastore":
-            out += [Arm(name, self.speculation.drafter_capacity) for name in drafter_names]
-        if self.speculation.voting:  # voting is one more arm: the bandit learns if it pays
-            out.append(Arm(VOTE_ARM, self.speculation.drafter_capacity))
-        return out
-
     def idle_arm(self, request_id: str, arm: str) -> bool:
         """Whether the request would decode plainly on `arm` now (the selection's `idle`)."""
         loop = self.loops.get(request_id)
@@ -157,36 +136,12 @@ class Router:
     def sizing_for(self, arm: str) -> TreeSizing:
         """The tree-size policy's router-wide state of an arm (drafting costs differ per arm)."""
         if arm not in self._sizings:
+            described = self.arms.get(arm)
             self._sizings[arm] = TreeSizing(
-                max_nodes=self.max_tree_nodes(arm), max_depth=self.speculation.depth,
+                max_nodes=described.max_nodes, max_depth=self.speculation.depth,
                 probe_every=self.speculation.probe_every, mode=self.speculation.tree_size,
-                verify_times=self.verify_times, draft_prior=self.draft_prior(arm))
+                verify_times=self.verify_times, draft_prior=described.draft_prior)
         return self._sizings[arm]
-
-    def model_names(self, arm: str | None) -> list[str]:
-        """The model drafters an arm drafts with ("" = the drafter's default model)."""
-        if arm is None or arm == DATASTORE_ARM:
-            return []
-        source = self.speculation.source
-        if arm == VOTE_ARM:
-            return self.drafter_names if source != "datastore" else []
-        if arm == FIXED_ARM:
-            if source == "datastore":
-                return []
-            return self.drafter_names if self.voter else [self.drafter_name]
-        return [arm]
-
-    def draft_prior(self, arm: str) -> Callable[[int], float] | None:
-        """The arm's drafting seconds for a budget of n nodes before any was timed: one forward
-        per tree level (depth min(n, depth)) of each of its models, at the drafters' own
-        measurement. None where a model's cost is unknown or the arm has no model: the
-        datastore's lookups are cheap and timed at the first one."""
-        default = next(iter(self.drafter_costs), "")  # the drafter's first model
-        costs = [self.drafter_costs.get(name or default, 0.0) for name in self.model_names(arm)]
-        if not costs or not all(cost > 0 for cost in costs):
-            return None
-        level, depth = sum(costs), self.speculation.depth
-        return lambda n: min(n, depth) * level
 
     def observe_vote(self, vote: Vote, emitted: list[int]) -> None:
         """Credits the voted drafter; weights are updated once per verifier batch's worth of
@@ -196,19 +151,6 @@ class Router:
         if self._votes_since_update >= max(self.in_flight, 1):
             self.voter.update()
             self._votes_since_update = 0
-
-    def max_tree_nodes(self, arm: str = FIXED_ARM) -> int:
-        """The largest tree a step can ask for: a model's depth x width, the datastore's (or
-        the merged tree's) node budget."""
-        spec = self.speculation
-        if spec.depth == 0:
-            return 0
-        if arm == VOTE_ARM:
-            return spec.max_nodes
-        model_only = (spec.source == "model") if arm == FIXED_ARM else arm != DATASTORE_ARM
-        if HEADS in self.model_names(arm):  # the heads' trees: as wide as the node budget
-            model_only = False
-        return spec.depth * spec.width if model_only else spec.max_nodes
 
     # result dispatch --------------------------------------------------------------------------
     def start(self) -> None:
@@ -373,12 +315,13 @@ class _RequestLoop:
             self.sizings[arm] = self.router.sizing_for(arm).for_request()
         return self.sizings[arm]
 
-    def arm(self) -> str | None:
+    def arm(self) -> DraftArm | None:
         """This step's draft source: the configured one, or the selection's choice."""
         router = self.router
         if router.selection is None:
-            return FIXED_ARM
-        return router.selection.arm_for(self.request_id, router.live, router.idle_arm)
+            return router.arms.configured
+        return router.arms.get(router.selection.arm_for(self.request_id, router.live,
+                                                        router.idle_arm))
 
     async def run(self) -> AsyncIterator[router_pb2.RouteChunk]:
         if self.speculating:  # prefill the drafter the first step will use, during step 0
@@ -388,11 +331,12 @@ class _RequestLoop:
             started = time.perf_counter()
             in_flight = self.router.in_flight
             arm = self.arm() if step > 0 and self.speculating else None
-            choice = (self.sizing(arm).choose(in_flight, self.router.batch_share(self.request_id))
+            choice = (self.sizing(arm.name).choose(in_flight,
+                                                   self.router.batch_share(self.request_id))
                       if arm else StepChoice(0, 1.0))
             if (choice.budget > 0 and self._self_sized(arm)
-                    and not self.sizing(arm).batched(in_flight)):
-                choice = self._full_chain(arm, choice)
+                    and not self.sizing(arm.name).batched(in_flight)):
+                choice = self._full_chain(arm.name, choice)
             self.router.plans[self.request_id] = (choice.budget, choice.expected_length, 0.0)
             self.draft_seconds = self.switch_seconds = 0.0
             if choice.budget > 0:
@@ -410,7 +354,7 @@ class _RequestLoop:
             with tracer.start_as_current_span("router.verify", attributes={"specmesh.step": step}):
                 result = await self.router.verify(
                     self.request_id, step, len(self.generated), tree_pb,
-                    {"specmesh.arm": arm or "", "specmesh.budget": choice.budget,
+                    {"specmesh.arm": arm.name if arm else "", "specmesh.budget": choice.budget,
                      "specmesh.probe": choice.probe,
                      "specmesh.expected_length": choice.expected_length,
                      "specmesh.drafters": drafters},
@@ -419,23 +363,24 @@ class _RequestLoop:
             self.heads_seconds = result.heads_seconds
             emitted = [*result.accepted, result.bonus]
             seconds = time.perf_counter() - started
-            sizing = self.sizing(arm or FIXED_ARM)
+            sizing = self.sizing(arm.name if arm else FIXED_ARM)
             verified = (VerifyStep(result.verify_seconds, result.batch_rows, result.batch_trees,
                                    result.batch_nodes, result.verifier)
                         if result.batch_trees else None)
             self.decisions.append(sizing.observe(
-                step, choice, tree, emitted, seconds, in_flight, drafters, arm or "", verified,
+                step, choice, tree, emitted, seconds, in_flight, drafters, arm.name if arm else "",
+                verified,
                 self.draft_seconds, self.switch_seconds))
             if arm and self.router.selection is not None:
                 # SPIN's goodput is the drafter's rate; the switch is a cost of its own (LBSS)
-                self.router.selection.observe(self.request_id, arm, len(emitted),
+                self.router.selection.observe(self.request_id, arm.name, len(emitted),
                                               max(seconds - self.switch_seconds, 1e-6))
             if self.vote is not None:
                 self.router.observe_vote(self.vote, emitted)
                 self.vote = None
             self.stats.observe_step(len(tree), len(result.accepted), choice.expected_length)
             trace.get_current_span().add_event("router.step", {
-                "specmesh.step": step, "specmesh.arm": arm or "", "specmesh.budget":
+                "specmesh.step": step, "specmesh.arm": arm.name if arm else "", "specmesh.budget":
                     choice.budget, "specmesh.tree_size": len(tree), "specmesh.expected_length":
                     choice.expected_length, "specmesh.emitted": len(emitted)})
             chunk = self._emit(emitted)
@@ -446,7 +391,8 @@ class _RequestLoop:
                 sync.new_tokens.extend(emitted)
             self.lookup_tokens.extend(emitted)
             if self.router.selection is not None:  # fast switching: prefill where it goes next
-                self._warm(self.router.selection.likely_arm(self.request_id), ahead=True)
+                self._warm(self.router.arms.get(self.router.selection.likely_arm(
+                    self.request_id)), ahead=True)
             step += 1
 
     def _emit(self, emitted: list[int]) -> router_pb2.RouteChunk:
@@ -474,19 +420,9 @@ class _RequestLoop:
                                      stats=stats)
 
     # drafting ---------------------------------------------------------------------------------
-    def _uses_datastore(self, arm: str | None) -> bool:
-        source = self.router.speculation.source
-        return (arm == DATASTORE_ARM or (arm in (FIXED_ARM, VOTE_ARM) and
-                                         source in ("datastore", "both")))
-
-    def _self_sized(self, arm: str) -> bool:
-        """Whether the arm's tree is one draft model's chain under a confidence stop, which
-        sizes itself (`_full_chain`)."""
-        spec = self.router.speculation
-        names = self.router.model_names(arm)
-        return (self.sizing(arm).shared.mode == "adaptive" and spec.width == 1
-                and spec.min_probability > 0 and len(names) == 1 and names != [HEADS]
-                and not self._uses_datastore(arm) and not self._votes(arm))
+    def _self_sized(self, arm: DraftArm) -> bool:
+        """Whether ProPD sizes a tree that sizes itself (`_full_chain`)."""
+        return arm.self_sized and self.sizing(arm.name).shared.mode == "adaptive"
 
     def _full_chain(self, arm: str, choice: StepChoice) -> StepChoice:
         """Deviation from ProPD: a confidence-stopped chain of a request alone (not a batched
@@ -511,14 +447,14 @@ class _RequestLoop:
         step's (at least 2: the adaptive sizing grows it a probe at a time), and no more
         levels than nodes: the heads' time grows with both."""
         router = self.router
-        if not (router.heads and self.speculating):
+        if not (router.arms.heads and self.speculating):
             return 0
-        arm = (router.selection.likely_arm(self.request_id) if router.selection is not None
-               else FIXED_ARM)
-        if arm is None or HEADS not in router.model_names(arm):
+        arm = (router.arms.get(router.selection.likely_arm(self.request_id))
+               if router.selection is not None else router.arms.configured)
+        if arm is None or not arm.heads:
             return 0
-        sizing = self.sizing(arm)
-        top = router.max_tree_nodes(arm)
+        sizing = self.sizing(arm.name)
+        top = arm.max_nodes
         if not sizing.shared.adaptive:
             return top
         off = sizing.runs_plain(router.in_flight, router.batch_share(self.request_id))
@@ -526,17 +462,14 @@ class _RequestLoop:
             return 0
         return min(top, max(2, 2 * choice.budget))
 
-    def _votes(self, arm: str) -> bool:
-        return arm == VOTE_ARM or (arm == FIXED_ARM and self.router.voter is not None)
-
-    def _warm(self, arm: str | None, ahead: bool = False) -> None:
+    def _warm(self, arm: DraftArm | None, ahead: bool = False) -> None:
         """Starts the prefill of the arm's drafter models that do not hold this request yet.
         `ahead` (before the arm is used): only if the request's sizing would draft on it now;
         a request whose steps run plain (a saturated batch) costs its drafters nothing."""
-        if ahead and arm is not None and not self.sizing(arm).would_speculate(
-                self.router.in_flight, self.router.batch_share(self.request_id)):
+        if arm is None or (ahead and not self.sizing(arm.name).would_speculate(
+                self.router.in_flight, self.router.batch_share(self.request_id))):
             return
-        for name in self.router.model_names(arm):
+        for name in arm.models:
             if name not in self.syncs and name != HEADS:  # the heads need no prefill
                 self.syncs[name] = _DrafterSync(asyncio.create_task(
                     self._prefill_drafter(name, self.prompt + self.generated)))
@@ -551,19 +484,19 @@ class _RequestLoop:
             log.warning("drafter prefill of %s failed: %s", self.request_id, _describe(err))
             return False
 
-    async def _draft(self, arm: str, budget: int) -> common_pb2.TokenTree:
+    async def _draft(self, arm: DraftArm, budget: int) -> common_pb2.TokenTree:
         """A tree of at most `budget` nodes from the arm's sources (fixed sizing: the
         configured tree, as drafted)."""
         self._warm(arm)
-        names = self.router.model_names(arm)
+        names = list(arm.models)
         parts = [self._draft_model(name, budget) for name in names]
-        if self._uses_datastore(arm):
+        if arm.datastore:
             parts.append(self._lookup(budget))
             names = [*names, DATASTORE_ARM]
         found = [await parts[0]] if len(parts) == 1 else await asyncio.gather(*parts)
         trees = [TokenTree.from_pb(t) for t in found]
-        sizing = self.sizing(arm)
-        if self._votes(arm):
+        sizing = self.sizing(arm.name)
+        if arm.votes:
             self.vote = self.router.voter.vote(
                 {name: _best_path(t) for name, t in zip(names, trees) if len(t)})
             # the voted path; the union when the cost model says its extra nodes are cheap
