@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from specmesh_services.common.tree import TokenTree
-from specmesh_services.router.policy import (BatchShare, PassTimes, StepChoice, TreeSizing, VerifyStep,
-                                   bucket_of)
+from specmesh_services.router.policy import TreeSizing
+from specmesh_services.router.steps import BatchShare, PassTimes, StepChoice, VerifyStep, bucket_of
 from specmesh_services.router.tree_size import AcceptanceProfile, LinearCost, best_size
 
 
@@ -26,7 +26,7 @@ def test_buckets_are_powers_of_two():
 
 
 def test_fixed_sizing_always_asks_for_the_whole_tree():
-    sizing = TreeSizing(max_nodes=10, max_depth=10, adaptive=False)
+    sizing = TreeSizing(max_nodes=10, max_depth=10, mode="fixed")
     request = sizing.for_request()
     feed(sizing, LinearCost(0.01, 1.0))  # speculation could never pay: fixed ignores it
     choices = {request.choose(1).budget for _ in range(40)}
@@ -245,7 +245,7 @@ def test_runs_plain_says_whether_the_choice_would_be_off():
     assert request.runs_plain(1)
     request.profile = AcceptanceProfile.from_probabilities([[0.9]] * 10)
     assert not request.runs_plain(1)
-    assert request.decisions == [] and request._speculated == 0 and sizing.choices == 0
+    assert request.decisions == [] and request.choices == 0 and sizing.strategy.choices == 0
     for mode in ("fixed", "length"):
         other = TreeSizing(max_nodes=10, max_depth=10, mode=mode)
         feed(other, LinearCost(0.030, 0.010))
@@ -304,7 +304,7 @@ def test_length_mode_follows_the_minions_selector():
         # emitted grows with s faster than the time does: t / emitted falls with s
         request.observe(step, choice, chain(s), list(chain(s).tokens) + [1], 0.03 + 0.001 * s,
                         1, ["ds"])
-    assert sizing.length.s == 8 and request.choose(1).budget == 8
+    assert sizing.strategy.selector.s == 8 and request.choose(1).budget == 8
     assert not TreeSizing(max_nodes=8, max_depth=8, mode="fixed").adaptive
     with pytest.raises(ValueError, match="unknown tree-size mode"):
         TreeSizing(max_nodes=8, max_depth=8, mode="magic")

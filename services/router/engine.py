@@ -36,9 +36,9 @@ from specmesh_services.common.text import TextStream
 from specmesh_services.common.tree import TokenTree
 from specmesh_services.router.arms import DATASTORE_ARM, FIXED_ARM, ArmSet, DraftArm
 from specmesh_services.router.batching import MicroBatcher
-from specmesh_services.router.policy import (BatchShare, PassTimes, RequestSizing, StepChoice,
-                                    TreeSizing, VerifyStep, bucket_of)
+from specmesh_services.router.policy import RequestSizing, TreeSizing
 from specmesh_services.router.selection import Arm, Selection, make_selection
+from specmesh_services.router.steps import BatchShare, PassTimes, StepChoice, VerifyStep, bucket_of
 from specmesh_services.router.voting import MajorityVoter, Vote, choose_tree
 from specmesh_services.router.stats import RequestStats
 from specmesh.v1 import common_pb2, datastore_pb2, drafter_pb2, pool_pb2, router_pb2
@@ -140,7 +140,8 @@ class Router:
             self._sizings[arm] = TreeSizing(
                 max_nodes=described.max_nodes, max_depth=self.speculation.depth,
                 probe_every=self.speculation.probe_every, mode=self.speculation.tree_size,
-                verify_times=self.verify_times, draft_prior=described.draft_prior)
+                verify_times=self.verify_times, draft_prior=described.draft_prior,
+                self_sized=described.self_sized)
         return self._sizings[arm]
 
     def observe_vote(self, vote: Vote, emitted: list[int]) -> None:
@@ -334,9 +335,6 @@ class _RequestLoop:
             choice = (self.sizing(arm.name).choose(in_flight,
                                                    self.router.batch_share(self.request_id))
                       if arm else StepChoice(0, 1.0))
-            if (choice.budget > 0 and self._self_sized(arm)
-                    and not self.sizing(arm.name).batched(in_flight)):
-                choice = self._full_chain(arm.name, choice)
             self.router.plans[self.request_id] = (choice.budget, choice.expected_length, 0.0)
             self.draft_seconds = self.switch_seconds = 0.0
             if choice.budget > 0:
@@ -420,26 +418,6 @@ class _RequestLoop:
                                      stats=stats)
 
     # drafting ---------------------------------------------------------------------------------
-    def _self_sized(self, arm: DraftArm) -> bool:
-        """Whether ProPD sizes a tree that sizes itself (`_full_chain`)."""
-        return arm.self_sized and self.sizing(arm.name).shared.mode == "adaptive"
-
-    def _full_chain(self, arm: str, choice: StepChoice) -> StepChoice:
-        """Deviation from ProPD: a confidence-stopped chain of a request alone (not a batched
-        choice: with others in flight each level costs a drafting forward and a verified row of
-        the batch's pass, and ProPD's size holds) is asked for the configured depth (within the
-        node budget) whenever ProPD chooses to draft. The stop is per step and per node (the
-        draft's own certainty at each level), which the request's averaged acceptance profile
-        is not; cut at the ProPD size, confident chains stopped short and the router lost to
-        the fixed chain (docs/decisions/adaptive-tree-size.md). ProPD still decides whether a
-        step drafts at all (0 = plain) and sizes datastore, voted and wide trees."""
-        sizing = self.sizing(arm)
-        depth = min(self.router.speculation.depth, sizing.shared.max_nodes)
-        if choice.budget >= depth:
-            return choice
-        curve = sizing.profile.expected_tokens(depth)
-        return StepChoice(depth, curve[min(depth, len(curve) - 1)], choice.probe)
-
     def _heads_nodes(self, choice: StepChoice) -> int:
         """The node limit of the tree the verifier's heads draft with this step's result, for
         the next step: none where that step would not draft with the heads (another arm, or
@@ -453,14 +431,8 @@ class _RequestLoop:
                if router.selection is not None else router.arms.configured)
         if arm is None or not arm.heads:
             return 0
-        sizing = self.sizing(arm.name)
-        top = arm.max_nodes
-        if not sizing.shared.adaptive:
-            return top
-        off = sizing.runs_plain(router.in_flight, router.batch_share(self.request_id))
-        if off and not sizing.probes_next(off=True):
-            return 0
-        return min(top, max(2, 2 * choice.budget))
+        return self.sizing(arm.name).ahead_budget(choice.budget, router.in_flight,
+                                                  router.batch_share(self.request_id))
 
     def _warm(self, arm: DraftArm | None, ahead: bool = False) -> None:
         """Starts the prefill of the arm's drafter models that do not hold this request yet.

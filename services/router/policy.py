@@ -59,111 +59,47 @@ Deviations from ProPD, each for a reason:
   reported one (`draft_prior`: one forward per tree level, timed when the model was loaded),
   so a model arm whose drafting cannot pay in the current batch is never bootstrapped.
 
-`mode="length"` swaps ProPD's choice for Minions' adaptive speculation length (`length.py`,
-section 3.3): one selector per arm watches step time / emitted tokens and moves the budget s
-up or down by the slope of that ratio; every request of the arm drafts s nodes.
+This is the "adaptive" strategy (`sizing.AdaptiveSize`). `speculation.tree_size` picks the
+strategy of every arm once (`sizing.py`): "fixed" drafts the configured tree every step;
+"length" swaps ProPD's choice for Minions' adaptive speculation length (`length.py`, section
+3.3): one selector per arm watches step time / emitted tokens and moves the budget s up or down
+by the slope of that ratio; every request of the arm drafts s nodes. Whatever the strategy,
+the costs, the prior and each request's profile learn from every step (`RequestSizing.observe`).
 """
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specmesh_services.common.tree import TokenTree
-from specmesh_services.router.length import LengthConfig, SpeculationLengthSelector
+from specmesh_services.router.sizing import make_strategy
+from specmesh_services.router.steps import (BatchShare, PassTimes, StepChoice, VerifyStep,
+                                            bucket_of)
 from specmesh_services.router.tree_size import (AcceptanceProfile, LinearCost, StepTimeModel,
-                                       TreeSizeConfig, best_size)
+                                                TreeSizeConfig)
 from specmesh.v1 import common_pb2
 
 
-OFF_PROBE_SPACING = 4  # an off request probes every 4 * probe_every steps
-OFF_PROBE_SIZE = 2
-BOOTSTRAP_TIMEOUT = 64  # choices after which a batch bootstrap draft that never came back is retried
-
-
-@dataclass(frozen=True)
-class StepChoice:
-    budget: int  # node budget for the draft sources, 0 = speculation off
-    expected_length: float  # E(budget), bonus included, under the request's profile
-    probe: bool = False
-
-
-@dataclass(frozen=True)
-class BatchShare:
-    """What the other requests in flight plan for their current step."""
-
-    nodes: int = 0  # draft nodes of their trees
-    tokens: float = 0.0  # tokens their steps are expected to emit, bonus included
-    requests: int = 0  # how many they are (one root row each in the verify pass)
-    draft_seconds: float = 0.0  # drafter time their trees take
-
-
-@dataclass(frozen=True)
-class VerifyStep:
-    """What the verifier reported of the forward pass a tree was verified in."""
-
-    seconds: float  # the forward pass and walk
-    rows: int  # rows of the pass
-    trees: int  # trees verified in it
-    nodes: int  # their draft nodes
-    verifier: str = ""  # who ran it
-
-    @property
-    def prefilled(self) -> bool:
-        """The pass also prefilled (or caught up) a request: rows beyond one per tree + nodes."""
-        return self.rows > self.nodes + self.trees
-
-
-@dataclass
-class PassTimes(StepTimeModel):
-    """The verifier's pass time over its rows (V). Every tree of a pass reports the same pass;
-    it is counted once, so a pass of 8 trees neither outweighs a pass of 1 nor ages the other
-    sizes 8 steps at a time."""
-
-    _seen: deque = field(default_factory=deque, init=False, repr=False)  # the last 256 passes
-    _seen_keys: set = field(default_factory=set, init=False, repr=False)  # the same, to look up
-
-    def observe_pass(self, step: VerifyStep) -> None:
-        key = (step.verifier, step.seconds, step.rows)
-        if key not in self._seen_keys:
-            self._seen.append(key)
-            self._seen_keys.add(key)
-            if len(self._seen) > 256:
-                self._seen_keys.discard(self._seen.popleft())
-            self.observe(step.rows, step.seconds)
-
-
-def bucket_of(in_flight: int) -> int:
-    """1, 2, 4, 8, ...: the concurrency bucket of a step-time model."""
-    return 1 << max(in_flight - 1, 0).bit_length()
-
-
 class TreeSizing:
-    """Router-wide part of one arm: step-time models per concurrency bucket, the arm's drafting
-    time, the prior profile; and the verifier's pass time (`verify_times`, over rows), which
-    the router shares between its arms."""
+    """Router-wide part of one arm: its size strategy, step-time models per concurrency bucket,
+    the arm's drafting time, the prior profile; and the verifier's pass time (`verify_times`,
+    over rows), which the router shares between its arms."""
 
-    def __init__(self, max_nodes: int, max_depth: int, adaptive: bool = True,
-                 probe_every: int = 16, config: TreeSizeConfig | None = None,
-                 mode: str | None = None, verify_times: PassTimes | None = None,
-                 draft_prior: Callable[[int], float] | None = None) -> None:
-        """`mode`: "fixed" (the whole tree every step), "adaptive" (ProPD), "length" (Minions);
-        default from `adaptive`. `verify_times`: None = no batched choice (every concurrency
-        uses the step-time model of its bucket). `draft_prior`: the arm's drafting seconds as a
+    def __init__(self, max_nodes: int, max_depth: int, probe_every: int = 16,
+                 config: TreeSizeConfig | None = None, mode: str = "adaptive",
+                 verify_times: PassTimes | None = None,
+                 draft_prior: Callable[[int], float] | None = None,
+                 self_sized: bool = False) -> None:
+        """`mode`: the strategy, "fixed" (the whole tree every step), "adaptive" (ProPD) or
+        "length" (Minions). `verify_times`: None = no batched choice (every concurrency uses
+        the step-time model of its bucket). `draft_prior`: the arm's drafting seconds as a
         function of the budget until they have been timed (the drafters' own measurement): a
-        batch need not bootstrap an arm whose drafting it can already tell does not pay."""
+        batch need not bootstrap an arm whose drafting it can already tell does not pay.
+        `self_sized`: the arm's tree is one draft model's chain under a confidence stop."""
         if max_nodes < 0 or max_depth < 0:
             raise ValueError("need max_nodes >= 0 and max_depth >= 0")
-        mode = mode or ("adaptive" if adaptive else "fixed")
-        if mode not in ("fixed", "adaptive", "length"):
-            raise ValueError(f"unknown tree-size mode {mode!r}")
+        self.strategy = make_strategy(mode, max_nodes, probe_every, self_sized)
         self.max_nodes = max_nodes
-        self.mode = mode if max_nodes > 0 else "fixed"
-        # the budget drives the draft (depth, lookup nodes, pruning) unless the tree is fixed
-        self.adaptive = self.mode != "fixed"
-        self.length = (SpeculationLengthSelector(LengthConfig(
-            s_init=min(4, max_nodes), s_max=max_nodes)) if self.mode == "length" else None)
-        self.probe_every = probe_every
         base = config or TreeSizeConfig()
         self.config = TreeSizeConfig(
             max_size=max_nodes, max_depth=max(max_depth, 1), max_rank=base.max_rank,
@@ -182,8 +118,12 @@ class TreeSizing:
         # drafter seconds of one request's tree as a function of its budget (0 for budget 0)
         self.draft_times = StepTimeModel(self.config.time_alpha, self.config.age_decay)
         self.draft_prior = draft_prior
-        self.choices = 0  # choices made on this arm (its clock)
-        self.bootstrap_until = 0  # a batch bootstrap draft is out until this choice
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether the budget shapes the draft (its depth, the lookup's nodes, pruning to the
+        budget): every strategy but the fixed tree."""
+        return self.strategy.sizes_draft
 
     def time_model(self, bucket: int) -> StepTimeModel:
         model = self.times.get(bucket)
@@ -212,129 +152,32 @@ class TreeSizing:
 
 @dataclass
 class RequestSizing:
-    """Per-request part: its acceptance profile, its choices and their outcomes."""
+    """Per-request part: its acceptance profile, its choices and their outcomes. What a choice
+    is, is the arm's strategy's (`shared.strategy`)."""
 
     shared: TreeSizing
     profile: AcceptanceProfile
     decisions: list[common_pb2.StepDecision] = field(default_factory=list)
-    _speculated: int = 0  # steps after the prefill step
-    _trees: int = 0  # its own trees verified
+    choices: int = 0  # steps it chose a size for on this arm
+    trees: int = 0  # its own trees verified
 
     def choose(self, in_flight: int, others: BatchShare = BatchShare()) -> StepChoice:
-        shared = self.shared
-        if shared.max_nodes == 0:
-            return StepChoice(0, 1.0)
-        curve = self.profile.expected_tokens(shared.max_nodes)
-        top = len(curve) - 1
-        if not shared.adaptive:
-            return StepChoice(shared.max_nodes, curve[top])
-        if shared.length is not None:
-            s = min(shared.length.s, top)
-            return StepChoice(s, curve[s])
-        self._speculated += 1
-        shared.choices += 1
-        size = self._optimum(curve, in_flight, others)
-        if size is None and self.batched(in_flight):
-            # bootstrap of the batch costs: one request of the arm at a time drafts the default
-            # size (measuring D and a second pass size for V), the others decode plainly
-            if shared.choices < shared.bootstrap_until:
-                return StepChoice(0, 1.0)
-            shared.bootstrap_until = shared.choices + BOOTSTRAP_TIMEOUT
-            size = min(shared.config.default_size, top)
-            return StepChoice(size, curve[size], probe=True)
-        if size is None:  # bootstrap: the default size, then plain, then the fit exists
-            seen = set(shared.time_model(bucket_of(in_flight))._perf)
-            size = shared.config.default_size if not seen or 0 in seen else 0
-            return StepChoice(min(size, top), curve[min(size, top)], probe=True)
-        every = shared.probe_every * (OFF_PROBE_SPACING if size == 0 else 1)
-        probe = False
-        # off from its first step on the arm's prior alone (the requests before it): it probes
-        # at once, as its own text may be predictable where theirs was not
-        starts_off = size == 0 and self._trees == 0 and self._speculated == 1
-        if every and (self._speculated % every == 0 or starts_off):
-            neighbour = self._neighbour(size, top)
-            if size or self._could_pay(neighbour, in_flight, others):
-                size, probe = neighbour, True
-        return StepChoice(size, curve[size], probe)
-
-    def _could_pay(self, n: int, in_flight: int, others: BatchShare) -> bool:
-        """Whether an n-node tree whose every node were accepted (n + 1 tokens) would beat
-        plain decoding at the current cost model."""
-        if self.batched(in_flight):
-            cost = self.shared.batch_cost(others)
-            base = others.tokens + 1.0
-        else:
-            cost = self.shared.time_model(bucket_of(in_flight)).curve()
-            base = 1.0
-        if cost is None:
-            return True
-        return (base + n) * cost(0) > base * cost(n)
-
-    def batched(self, in_flight: int) -> bool:
-        """Whether the choice now is the batch's (others in flight, V measured per pass)."""
-        return in_flight > 1 and self.shared.verify_times is not None
-
-    def _optimum(self, curve: list[float], in_flight: int, others: BatchShare) -> int | None:
-        """The best size now; None before the time models can tell (bootstrap).
-
-        Alone: argmax E(n) / T_bucket(n) (ProPD). With others in flight: argmax
-        (E_others + E(n)) / T_batch(n), the batch's rate."""
-        shared = self.shared
-        if self.batched(in_flight):
-            cost = shared.batch_cost(others)
-            if cost is None:
-                return None
-            choice = best_size(curve, cost, 0, others.tokens)
-        else:
-            cost = shared.time_model(bucket_of(in_flight)).curve()
-            if cost is None:
-                return None
-            choice = best_size(curve, cost)
-        return choice.size if choice is not None else shared.config.default_size
+        self.choices += 1
+        return self.shared.strategy.choose(self, in_flight, others)
 
     def would_speculate(self, in_flight: int, others: BatchShare = BatchShare()) -> bool:
-        """Whether a step now would draft (probes and the bootstrap aside), without counting
-        as a step: the router prefills a drafter ahead of time only for requests that will use
-        it. Before the time model can tell it says no: the bootstrap's few draft steps prefill
-        when they draft, rather than every request prefilling every drafter it might be sent
-        to."""
-        shared = self.shared
-        if shared.max_nodes == 0:
-            return False
-        if not shared.adaptive or shared.length is not None:
-            return True
-        size = self._optimum(self.profile.expected_tokens(shared.max_nodes), in_flight, others)
-        return bool(size)
-
-    def probes_next(self, off: bool) -> bool:
-        """Whether the next `choose` is a probe step (`off`: of a request decoding plainly),
-        at the probing period; a drafter that must prepare its tree a step ahead (the
-        verifier's heads) drafts for it."""
-        every = self.shared.probe_every * (OFF_PROBE_SPACING if off else 1)
-        return bool(every) and (self._speculated + 1) % every == 0
+        """Whether a step now would draft (`SizeStrategy.would_speculate`)."""
+        return self.shared.strategy.would_speculate(self, in_flight, others)
 
     def runs_plain(self, in_flight: int, others: BatchShare = BatchShare()) -> bool:
-        """Whether the measured costs and this request's profile say no tree of this arm pays
-        now (the choice would be 0, probes aside). False while the costs are still being
-        bootstrapped and for fixed or Minions-length sizing, which always draft: the
-        selection does not explore an arm where the request would only decode plainly."""
-        shared = self.shared
-        if shared.max_nodes == 0:
-            return True
-        if not shared.adaptive or shared.length is not None:
-            return False
-        curve = self.profile.expected_tokens(shared.max_nodes)
-        return self._optimum(curve, in_flight, others) == 0
+        """Whether no tree of this arm pays now (`SizeStrategy.runs_plain`); counts as no
+        step."""
+        return self.shared.strategy.runs_plain(self, in_flight, others)
 
-    def _neighbour(self, size: int, top: int) -> int:
-        if size == 0:
-            return min(OFF_PROBE_SIZE, top)
-        # in turn one node more, one less, double, half: the adjacent sizes keep a cost that
-        # grows in steps measured around the choice (the int4 kernel takes rows in blocks of
-        # 4), double and half the line's slope
-        turn = (self._speculated // self.shared.probe_every) % 4
-        other = min((size + 1, size - 1, 2 * size, size // 2)[turn], top)
-        return other if other != size else size - 1  # at the top: one less
+    def ahead_budget(self, budget: int, in_flight: int, others: BatchShare = BatchShare()
+                     ) -> int:
+        """The node limit of the next step's tree drafted ahead (`SizeStrategy.ahead_budget`)."""
+        return self.shared.strategy.ahead_budget(self, budget, in_flight, others)
 
     def observe(self, step: int, choice: StepChoice, tree: TokenTree, emitted: list[int],
                 seconds: float, in_flight: int, drafters: list[str], arm: str = "",
@@ -356,16 +199,15 @@ class RequestSizing:
                 shared.time_model(bucket_of(in_flight)).observe(len(tree), step_seconds)
                 if verify is not None and shared.verify_times is not None:
                     shared.verify_times.observe_pass(verify)
-            if choice.budget > 0 and draft_seconds > 0:
+            timed = choice.budget > 0 and draft_seconds > 0
+            if timed:
                 # at the size drafted: a confidence-stopped chain runs one forward per node it
                 # returns, whatever its budget (a chain asked for 8 that stopped at 3 cost 3
                 # levels); timed at the budget, every size looked like the full chain's cost
                 shared.draft_times.observe(len(tree) or choice.budget, draft_seconds)
-                shared.bootstrap_until = 0  # a bootstrap draft came back
-            if shared.length is not None and choice.budget > 0:
-                shared.length.observe(step_seconds, [len(emitted) - 1])
+            shared.strategy.observe(choice, len(emitted), step_seconds, timed)
             if len(tree):
-                self._trees += 1
+                self.trees += 1
                 self.profile.observe_tree(tree, emitted)
                 shared.prior.observe_tree(tree, emitted)
         record = common_pb2.StepDecision(
