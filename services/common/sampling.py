@@ -5,10 +5,14 @@ presence / frequency over generated tokens), then temperature, top-k, top-p; at 
 argmax of the penalized logits. Penalties depend only on the tokens before the sampled position
 (the history), so the walk stays lossless as long as it passes the path's own history.
 
-Randomness is counter-based: the draw for output position p of a request comes from a generator
-seeded with (request seed, p). The same seed therefore gives the same tokens whatever the tree
-shape, the drafter, or which verifier replica (re-)verifies a step, and draws at different
-positions are independent, which the lossless walk needs.
+Randomness is counter-based: the draw for output position p of a request is the Gumbel-max
+(exponential race) of the processed distribution under random numbers seeded with (request
+seed, p): argmax_i probs_i / E_i with E_i ~ Exp(1) (`race_weights`). The same seed therefore
+gives the same tokens whatever the tree shape, the drafter, or which verifier replica
+(re-)verifies a step, and draws at different positions are independent, which the lossless
+walk needs. A drafter given the same seed races its own distribution with the same E (coupled
+drafting, `coupled_scores`): its token is the target's whenever the two races agree, which
+happens at least (1 - TV) / (1 + TV) of the time (TV the total variation distance).
 """
 from __future__ import annotations
 
@@ -151,6 +155,20 @@ def position_seed(seed: int, position: int) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
+def race_weights(seed: int, position: int, width: int) -> torch.Tensor:
+    """The Exp(1) variates E [width] (float32, CPU) of the draw at `position`: token i's weight
+    in the race argmax_i probs_i / E_i. `width` is the target's logits width, so the verifier
+    and a drafter (whatever its own vocabulary) draw the same E for the same token id."""
+    generator = torch.Generator().manual_seed(position_seed(seed, position))
+    return -torch.log(torch.rand(width, generator=generator))
+
+
+def coupled_scores(probs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """log(probs / E): the race's scores (their argmax is the draw; their top-k, k draws
+    without replacement), -inf where probs is 0."""
+    return torch.log(probs) - torch.log(weights.to(probs.device))
+
+
 class Sampler:
     """Draws one token from a logits row for a given output position of one request.
 
@@ -181,5 +199,5 @@ class Sampler:
         if self.params.greedy:
             return int(torch.argmax(logits))
         probs = probabilities(logits, self.params)
-        generator = torch.Generator().manual_seed(position_seed(self.seed, position))
-        return int(torch.multinomial(probs, 1, generator=generator))
+        return int(torch.argmax(coupled_scores(probs, race_weights(self.seed, position,
+                                                                   probs.shape[-1]))))

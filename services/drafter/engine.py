@@ -13,6 +13,13 @@ draft probability (given its parent) under it (that level is kept): each level c
 forward, and below an unsure guess the target rarely follows. This is Hugging Face assisted
 generation's `assistant_confidence_threshold` (0.4 there), applied to trees; it lets a router
 ask for deep trees without paying for deep drafting where the draft is lost.
+
+Sampled requests (`Coupling`): the draft's distribution is processed as the target's
+(temperature, top-k, top-p) and ranked by the target's own race for each position
+(`sampling.coupled_scores`): a chain is the draft's draw under the target's random numbers,
+a level of width w its w draws without replacement. The target's draw at a position then equals
+the drafted token whenever the two races agree, instead of with probability p(token) for the
+draft's likeliest token; the verifier's walk is unchanged (docs/decisions/coupled-drafting.md).
 """
 from __future__ import annotations
 
@@ -24,8 +31,31 @@ from typing import NamedTuple
 import torch
 
 from specmesh_services.common.lm import CausalLM, KVCache, Part
-from specmesh_services.common.sampling import require_finite
+from specmesh_services.common.sampling import (SamplingParams, coupled_scores, probabilities,
+                                               race_weights, require_finite)
 from specmesh_services.common.tree import TokenTree
+
+
+@dataclass(frozen=True)
+class Coupling:
+    """A sampled request's draws, shared with the target: its processing, its seed, and the
+    target's logits width (the race's random numbers are drawn over the target's ids)."""
+
+    params: SamplingParams
+    seed: int
+    width: int
+
+    @classmethod
+    def of(cls, params: SamplingParams, width: int) -> "Coupling | None":
+        """The coupling of a request sampled with `params` (None: greedy or unseeded, the
+        draft's likeliest tokens are drafted)."""
+        if params.greedy or params.seed is None:
+            return None
+        params.validate()
+        if width < 1:
+            raise ValueError("a sampled request needs the target's vocab size "
+                             "(target_vocab_size) to draw the target's random numbers")
+        return cls(params, params.seed, width)
 
 
 @dataclass
@@ -36,6 +66,8 @@ class DraftState:
     root_row: int | None = None  # row of the root after drafting
     node_rows: dict[int, int] = field(default_factory=dict)  # last tree's node -> cache row
     last_tree: TokenTree = field(default_factory=TokenTree)
+    coupling: Coupling | None = None
+    weights: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> race weights
 
     @property
     def pending(self) -> list[int]:
@@ -97,14 +129,17 @@ class DraftModel:
         self.level_seconds = best / depth
         return self.level_seconds
 
-    def prefill(self, request_id: str, tokens: list[int]) -> int:
-        """(Re)builds the request's cache from its whole context; returns len(tokens)."""
+    def prefill(self, request_id: str, tokens: list[int], coupling: Coupling | None = None
+                ) -> int:
+        """(Re)builds the request's cache from its whole context; returns len(tokens).
+        `coupling`: a sampled request's draws (drafted with the target's random numbers)."""
         if not tokens:
             raise ValueError("prefill needs at least one token")
         self._check_vocab(tokens)
         cache = self.lm.new_cache()
         self.lm.prefill(cache, tokens[:-1])
-        self.requests[request_id] = DraftState(cache, list(tokens), len(tokens) - 1)
+        self.requests[request_id] = DraftState(cache, list(tokens), len(tokens) - 1,
+                                               coupling=coupling)
         return len(tokens)
 
     def release(self, request_id: str) -> bool:
@@ -212,20 +247,23 @@ class DraftModel:
         frontier: list[int] = [-1]  # node indices whose logits are in `logits`, root = -1
         frontier_scores = torch.zeros(1)
         for level in range(1, depth + 1):
-            own = torch.log_softmax(logits, dim=-1)  # [F, V] given each frontier node
-            logp = own + frontier_scores[:, None]
+            own, ranked = self._rank(state, logits, root_pos + level)
+            logp = ranked + frontier_scores[:, None]
             k = min(width, logp.shape[-1])
             best, flat = torch.topk(logp.flatten(), k)
             new_nodes = []
             for score, index in zip(best.tolist(), flat.tolist()):
+                if score == float("-inf"):  # outside the processed distribution's support
+                    break
                 parent_slot, column = divmod(index, logp.shape[-1])
                 parents.append(frontier[parent_slot])
                 tokens.append(column if self.column_tokens is None
                               else self.column_tokens[column])
                 scores.append(score)
                 new_nodes.append(len(tokens) - 1)
-            if level == depth:
+            if level == depth or not new_nodes:
                 break
+            best = best[:len(new_nodes)]
             if min_probability > 0:
                 # the likeliest node of the level (cumulative score), given its parent
                 slot, column = divmod(int(flat[0]), logp.shape[-1])
@@ -237,6 +275,33 @@ class DraftModel:
                          (self.name,))
         state.last_tree = tree
         return tree
+
+    def _rank(self, state: DraftState, logits: torch.Tensor, position: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The level's log-probabilities given each frontier node [F, V], and what the level is
+        ranked by: the same, or for a coupled request the target's race at `position`."""
+        coupling = state.coupling
+        if coupling is None:
+            own = torch.log_softmax(logits, dim=-1)
+            return own, own
+        probs = probabilities(logits, coupling.params)
+        weights = state.weights.get(position)
+        if weights is None:
+            for old in [p for p in state.weights if p < len(state.tokens)]:
+                del state.weights[old]  # committed positions are drawn
+            weights = state.weights[position] = self._columns(
+                race_weights(coupling.seed, position, coupling.width))
+        return torch.log(probs), coupled_scores(probs, weights)
+
+    def _columns(self, weights: torch.Tensor) -> torch.Tensor:
+        """The race weights of this draft's logit columns (by the token id of each; ids the
+        target lacks never win)."""
+        if self.column_tokens is not None:
+            return weights[torch.as_tensor(self.column_tokens)]
+        size = self.lm.vocab_size
+        if size <= weights.numel():
+            return weights[:size]
+        return torch.cat([weights, torch.full((size - weights.numel(),), float("inf"))])
 
     def _expand(self, state: DraftState, tokens: list[int], parents: list[int],
                 nodes: list[int], position: int) -> Part:

@@ -5,7 +5,8 @@ import asyncio
 from concurrent.futures import Executor
 
 from specmesh_services.common.rpc import rpc_errors
-from specmesh_services.drafter.engine import DraftJob, DraftModel
+from specmesh_services.common.sampling import SamplingParams
+from specmesh_services.drafter.engine import Coupling, DraftJob, DraftModel
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
 
 SERVICE_NAME = "specmesh.v1.Drafter"
@@ -41,7 +42,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     @rpc_errors
     async def Prefill(self, request, context):
         model = self._model(request.drafter)
-        length = await self._run(model.prefill, request.request_id, list(request.token_ids))
+        coupling = (Coupling.of(SamplingParams.from_pb(request.sampling),
+                                request.target_vocab_size)
+                    if request.HasField("sampling") else None)
+        length = await self._run(model.prefill, request.request_id, list(request.token_ids),
+                                 coupling)
         return drafter_pb2.DraftPrefillResponse(context_len=length)
 
     @rpc_errors
