@@ -17,12 +17,13 @@ Where it sits: router, after the drafters answered and before the tree goes to t
 router calls `MajorityVoter.vote`, sends `Vote.path_tree()` (the paper: verify the voted path
 only) or `Vote.union` (SpecInfer-style, verify every drafter's path; not in Minions, offered
 for when `verify_union` says the extra nodes are nearly free), then `MajorityVoter.observe`
-with the verifier's emitted tokens and `MajorityVoter.update` once per verified batch.
+with the verifier's emitted tokens and `MajorityVoter.update` once per verified batch
+(`BatchedVoter` does both for a router's requests).
 Plain module: no gRPC, no Redis.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from specmesh_services.common.tree import TokenTree
@@ -271,3 +272,25 @@ class MajorityVoter:
             self.weights[name] = min(max(self.weights[name], cfg.min_weight), cfg.max_weight)
         self._batch = {d: _Acceptance() for d in self.drafters}
         return acrs
+
+
+class BatchedVoter:
+    """A router's voter across its requests: Minions updates the weights after each verified
+    batch; the router sees requests, not batches, so it updates them once per batch's worth of
+    outputs (`batch_size()`: the requests in flight)."""
+
+    def __init__(self, voter: MajorityVoter, batch_size: Callable[[], int]) -> None:
+        self.voter = voter
+        self.batch_size = batch_size
+        self._since_update = 0
+
+    def vote(self, sequences: Mapping[str, Sequence[int]]) -> Vote:
+        return self.voter.vote(sequences)
+
+    def observe(self, vote: Vote, emitted: Sequence[int]) -> None:
+        """Credits the voted drafter; every batch's worth of outputs, updates the weights."""
+        self.voter.observe(vote, emitted)
+        self._since_update += 1
+        if self._since_update >= max(self.batch_size(), 1):
+            self.voter.update()
+            self._since_update = 0

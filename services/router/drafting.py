@@ -1,0 +1,233 @@
+"""The draft stage of a request's loop: the step's arm's sources draft a tree of at most the
+step's budget, merged into one (a union of their paths) or majority-voted, pruned to the budget.
+
+The sources: the drafter service's models (each prefilled with the request's context, then told
+the tokens emitted since its last call), the lookup datastore (SSSD; told the same), and the
+verifier's draft heads (their tree for this step came with the last result). A failing source
+never fails the request: the step runs without its tree, and the source is re-synchronised
+with the whole context (drafter re-prefill, datastore index reset).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
+
+import grpc
+
+from specmesh_services.common.drafts import HEADS
+from specmesh_services.common.tree import TokenTree
+from specmesh_services.router.arms import DATASTORE_ARM, DraftArm
+from specmesh_services.router.policy import RequestSizing
+from specmesh_services.router.steps import bucket_of
+from specmesh_services.router.voting import Vote, choose_tree
+from specmesh.v1 import common_pb2, datastore_pb2, drafter_pb2, pool_pb2
+
+if TYPE_CHECKING:
+    from specmesh_services.router.loop import LoopServices
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Drafted:
+    """A step's tree and what drafting it took."""
+
+    pb: common_pb2.TokenTree = field(default_factory=common_pb2.TokenTree)
+    seconds: float = 0.0  # the drafters' time for it
+    switch_seconds: float = 0.0  # of the step, the wait for a drafter's prefill (a switch)
+    vote: Vote | None = None  # the vote it is the outcome of, when voting
+    tree: TokenTree = field(init=False)
+    drafters: list[str] = field(init=False)  # the sources whose nodes are in it
+
+    def __post_init__(self) -> None:
+        self.tree = TokenTree.from_pb(self.pb)
+        self.drafters = (sorted({self.tree.source_names[s] for s in self.tree.sources})
+                         if self.tree.sources else [])
+
+
+class _Sourced(NamedTuple):
+    """One source's tree for a step."""
+
+    tree: common_pb2.TokenTree
+    seconds: float = 0.0
+    switch_seconds: float = 0.0
+
+
+class _DrafterSync:
+    """What one model drafter holds of a request: a prefill in flight, tokens it has not seen."""
+
+    def __init__(self, task: asyncio.Task) -> None:
+        self.prefill_task: asyncio.Task | None = task
+        self.new_tokens: list[int] = []  # emitted since the drafter's last call
+
+
+class DraftStage:
+    """One request's draft sources and what each holds of it. `context()`: the request's
+    tokens so far (prompt, then generated).
+
+    Pre-speculation (drafting the next step's tree under a hypothesised outcome of the step
+    being verified) plugs in here: `verifying` is told of each tree as it goes to the verifier,
+    `advance` of the outcome, and `draft` would return the tree drafted ahead when the outcome
+    came true. Today only the verifier's heads draft ahead (the next step's tree comes with
+    each result)."""
+
+    def __init__(self, services: LoopServices, request_id: str,
+                 context: Callable[[], list[int]]) -> None:
+        self.services = services
+        self.request_id = request_id
+        self.context = context
+        self.syncs: dict[str, _DrafterSync] = {}  # per model drafter name
+        self.lookup_tokens: list[int] = context()  # not yet sent to the datastore
+        self.lookup_reset = True  # the next lookup sends the whole context
+        # the verifier heads' tree for the next step (drafted with the last result), its time
+        self.heads_tree: common_pb2.TokenTree | None = None
+        self.heads_seconds = 0.0
+
+    def warm(self, arm: DraftArm) -> None:
+        """Starts the prefill of the arm's drafter models that do not hold the request yet."""
+        for name in arm.models:
+            if name not in self.syncs and name != HEADS:  # the heads need no prefill
+                self._prefill(name)
+
+    async def draft(self, arm: DraftArm, budget: int, sizing: RequestSizing) -> Drafted:
+        """A tree of at most `budget` nodes from the arm's sources (fixed sizing: the
+        configured tree, as drafted)."""
+        self.warm(arm)
+        names = list(arm.models)
+        parts = [self._draft_model(name, budget, sizing) for name in names]
+        if arm.datastore:
+            parts.append(self._lookup(budget, sizing))
+            names.append(DATASTORE_ARM)
+        found = [await parts[0]] if len(parts) == 1 else await asyncio.gather(*parts)
+        trees = [TokenTree.from_pb(part.tree) for part in found]
+        vote = None
+        if arm.votes:
+            vote = self.services.voting.vote(
+                {name: _best_path(t) for name, t in zip(names, trees) if len(t)})
+            tree = self._voted(vote, sizing)
+        else:
+            tree = trees[0] if len(trees) == 1 else TokenTree.union(trees)
+        if sizing.shared.adaptive and len(tree) > budget:
+            tree = sizing.profile.prune(tree, budget)  # the nodes worth most
+        return Drafted(tree.to_pb(), sum(part.seconds for part in found),
+                       max(part.switch_seconds for part in found), vote)
+
+    def verifying(self, drafted: Drafted) -> None:
+        """The step's tree goes to the verifier: where a pre-speculating stage would start
+        drafting the next tree under the outcome it hypothesises. Nothing is drafted ahead."""
+
+    def advance(self, result: pool_pb2.VerifyResult, emitted: list[int]) -> None:
+        """The step's outcome: the sources are told the emitted tokens (accepted + bonus) at
+        their next call, and the heads' tree for the next step is kept."""
+        self.heads_tree = result.heads_tree if result.HasField("heads_tree") else None
+        self.heads_seconds = result.heads_seconds
+        for sync in self.syncs.values():
+            sync.new_tokens.extend(emitted)
+        self.lookup_tokens.extend(emitted)
+
+    def close(self) -> None:
+        for sync in self.syncs.values():
+            if sync.prefill_task is not None and not sync.prefill_task.done():
+                sync.prefill_task.cancel()
+
+    def _voted(self, vote: Vote, sizing: RequestSizing) -> TokenTree:
+        """The voted path; the union when the cost model says its extra nodes are cheap."""
+        cost = sizing.shared.cost(bucket_of(len(self.services.batch)))
+        per_node = cost.b1 if cost is not None else math.inf
+        return choose_tree(vote, per_node, self.services.speculation.vote_union_extra_s)
+
+    # model drafters ---------------------------------------------------------------------------
+    def _prefill(self, name: str) -> None:
+        """(Re)starts the drafter's prefill of the request with its whole context."""
+        self.syncs[name] = _DrafterSync(asyncio.create_task(
+            self._prefill_drafter(name, self.context())))
+
+    def _prefill_request(self, name: str, tokens: list[int]) -> drafter_pb2.DraftPrefillRequest:
+        return drafter_pb2.DraftPrefillRequest(request_id=self.request_id, drafter=name,
+                                               token_ids=tokens)
+
+    def _draft_item(self, name: str, new_tokens: list[int], depth: int) -> drafter_pb2.DraftItem:
+        spec = self.services.speculation
+        return drafter_pb2.DraftItem(request_id=self.request_id, drafter=name,
+                                     new_tokens=new_tokens, depth=depth, width=spec.width,
+                                     min_probability=spec.min_probability)
+
+    async def _prefill_drafter(self, name: str, tokens: list[int]) -> bool:
+        try:
+            await self.services.drafter.Prefill(self._prefill_request(name, tokens),
+                                                timeout=self.services.step_timeout_s)
+            return True
+        except (grpc.RpcError, asyncio.TimeoutError) as err:
+            log.warning("drafter prefill of %s failed: %s", self.request_id, _describe(err))
+            return False
+
+    async def _draft_model(self, name: str, budget: int, sizing: RequestSizing) -> _Sourced:
+        if name == HEADS:  # drafted by the verifier with the last result
+            return _Sourced(self.heads_tree or common_pb2.TokenTree(), self.heads_seconds)
+        sync, switch = self.syncs[name], 0.0
+        if sync.prefill_task is not None:
+            waited = time.perf_counter()
+            ok = await sync.prefill_task
+            switch = time.perf_counter() - waited
+            sync.prefill_task = None
+            if not ok:  # retry with the whole context next step
+                self._prefill(name)
+                return _Sourced(common_pb2.TokenTree(), 0.0, switch)
+        spec = self.services.speculation
+        # a budget below the depth needs no deeper draft (wider trees are pruned afterwards)
+        depth = min(spec.depth, budget) if sizing.shared.adaptive else spec.depth
+        try:
+            tree, seconds = await self.services.drafts.submit_timed(
+                self._draft_item(name, sync.new_tokens, depth), self.services.step_timeout_s,
+                alone=len(self.services.batch) == 1)
+        except (grpc.RpcError, asyncio.TimeoutError) as err:
+            log.warning("drafting for %s failed (%s): this step runs without a tree",
+                        self.request_id, _describe(err))
+            self._prefill(name)  # re-prefilled with the whole context
+            return _Sourced(common_pb2.TokenTree(), 0.0, switch)
+        sync.new_tokens = []
+        return _Sourced(tree, seconds, switch)
+
+    # the datastore ----------------------------------------------------------------------------
+    async def _lookup(self, budget: int, sizing: RequestSizing) -> _Sourced:
+        spec = self.services.speculation
+        nodes = budget if sizing.shared.adaptive else spec.max_nodes
+        item = datastore_pb2.LookupItem(request_id=self.request_id, new_tokens=self.lookup_tokens,
+                                        max_nodes=nodes, max_depth=spec.depth,
+                                        reset=self.lookup_reset)
+        try:
+            tree, seconds = await self.services.lookups.submit_timed(
+                item, self.services.step_timeout_s, alone=len(self.services.batch) == 1)
+        except (grpc.RpcError, asyncio.TimeoutError) as err:
+            log.warning("datastore lookup for %s failed (%s): this step runs without its tree",
+                        self.request_id, _describe(err))
+            self.lookup_tokens = self.context()
+            self.lookup_reset = True
+            return _Sourced(common_pb2.TokenTree())
+        self.lookup_tokens = []
+        self.lookup_reset = False
+        return _Sourced(tree, seconds)
+
+
+def _best_path(tree: TokenTree) -> list[int]:
+    """A tree's most likely path: from the root, the highest-scored child (first if unscored)."""
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(tree.parents):
+        children.setdefault(parent, []).append(i)
+    path, node = [], -1
+    while node in children:
+        kids = children[node]
+        node = max(kids, key=lambda c: tree.scores[c]) if tree.scores else kids[0]
+        path.append(tree.tokens[node])
+    return path
+
+
+def _describe(err: BaseException) -> str:
+    if isinstance(err, grpc.RpcError) and callable(getattr(err, "code", None)):
+        return f"{err.code().name}: {err.details()}"
+    return repr(err)

@@ -1,0 +1,300 @@
+"""One request's speculative loop inside the router: five stages a step.
+
+    plan     which arm drafts (the configured sources, or the selection's choice) and how
+             many nodes (the tree-size policy, `policy.py`); none on the prefill step
+    draft    the arm's sources draft a tree of at most that budget (`drafting.py`)
+    submit   the tree goes to the pool; the verifier's result comes back
+    observe  what came of it: the sizing, the selection, the vote, the request's stats and
+             the step's record (`StepDecision`, also on the `router.submit` span)
+    emit     the stop conditions, token by token; the chunk to stream
+
+Step 0 submits an empty tree, so the verifier prefills and emits the first token while the
+drafter prefills the prompt concurrently. The loop sees of its router only `LoopServices`.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry import trace
+
+from specmesh_services.common import telemetry
+from specmesh_services.common.config import SpeculationSettings
+from specmesh_services.common.text import TextStream
+from specmesh_services.router.arms import FIXED_ARM, ArmSet, DraftArm
+from specmesh_services.router.batching import MicroBatcher
+from specmesh_services.router.drafting import Drafted, DraftStage
+from specmesh_services.router.policy import RequestSizing, TreeSizing
+from specmesh_services.router.selection import Selection
+from specmesh_services.router.stats import RequestStats
+from specmesh_services.router.steps import BatchShare, StepChoice, VerifyStep
+from specmesh_services.router.voting import BatchedVoter
+from specmesh.v1 import common_pb2, pool_pb2, router_pb2
+
+tracer = telemetry.tracer(__name__)
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What the router must know of the target model."""
+
+    name: str
+    vocab_size: int
+    context_length: int
+    eos_token_ids: tuple[int, ...]
+
+
+class InFlight:
+    """The requests a router is generating and the plan of each one's current step: what a
+    request's tree will share the verifier's pass with."""
+
+    def __init__(self) -> None:
+        self.prompts: dict[str, int] = {}  # request -> prompt length (the selection's `live`)
+        self._loops: dict[str, RequestLoop] = {}
+        # request -> (tree nodes, expected tokens, drafting seconds) of its current step
+        self._plans: dict[str, tuple[int, float, float]] = {}
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.prompts
+
+    def add(self, loop: RequestLoop) -> None:
+        self.prompts[loop.request_id] = len(loop.prompt)
+        self._loops[loop.request_id] = loop
+
+    def remove(self, request_id: str) -> None:
+        del self.prompts[request_id]
+        del self._loops[request_id]
+        self._plans.pop(request_id, None)
+
+    def plan(self, request_id: str, nodes: int, tokens: float, draft_seconds: float) -> None:
+        self._plans[request_id] = (nodes, tokens, draft_seconds)
+
+    def share(self, request_id: str) -> BatchShare:
+        """The current plans of the requests other than `request_id`."""
+        nodes, tokens, requests, seconds = 0, 0.0, 0, 0.0
+        for other, (size, expected, draft_s) in self._plans.items():
+            if other != request_id:
+                nodes += size
+                tokens += expected
+                requests += 1
+                seconds += draft_s
+        return BatchShare(nodes, tokens, requests, seconds)
+
+    def idle(self, request_id: str, arm: str) -> bool:
+        """Whether the request would decode plainly on `arm` now (the selection's `idle`)."""
+        loop = self._loops.get(request_id)
+        return loop is not None and loop.sizing(arm).runs_plain(len(self), self.share(request_id))
+
+
+@dataclass(frozen=True)
+class LoopServices:
+    """What a request's loop uses of its router, and nothing else of it."""
+
+    speculation: SpeculationSettings
+    step_timeout_s: float
+    tokenizer: Any  # decodes the streamed text
+    target: TargetInfo
+    arms: ArmSet
+    batch: InFlight
+    sizing_for: Callable[[str], TreeSizing]  # an arm's router-wide sizing, by name
+    selection: Selection | None
+    voting: BatchedVoter | None
+    # submits a tree to the pool and awaits its result (Router.verify)
+    verify: Callable[..., Awaitable[pool_pb2.VerifyResult]]
+    wait_for_room: Callable[[], Awaitable[None]]  # back-pressure before drafting
+    drafter: Any  # the drafter service (its Prefill)
+    drafts: MicroBatcher  # the drafter's Draft calls, micro-batched
+    lookups: MicroBatcher  # the datastore's Lookup calls, micro-batched
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a step will do, decided before it drafts."""
+
+    step: int
+    arm: DraftArm | None  # None: no tree (the prefill step, no speculation, no free arm)
+    choice: StepChoice
+    in_flight: int  # requests in flight when it was planned
+    started: float  # perf_counter at its start
+
+    @property
+    def arm_name(self) -> str:
+        return self.arm.name if self.arm is not None else ""
+
+
+class RequestLoop:
+    """State of one request's loop inside the router."""
+
+    def __init__(self, services: LoopServices, request: router_pb2.RouteRequest,
+                 request_id: str, prompt: list[int]) -> None:
+        self.services = services
+        self.request_id = request_id
+        self.prompt = prompt
+        self.generated: list[int] = []
+        self.stats = RequestStats(prompt_tokens=len(prompt))
+        self.text = TextStream(services.tokenizer, list(request.stop))
+        self.stops = set(services.target.eos_token_ids) | set(request.stop_token_ids)
+        self.max_new = min(request.max_tokens, services.target.context_length - len(prompt))
+        self.speculating = services.speculation.depth > 0
+        self.sizings: dict[str, RequestSizing] = {}  # per arm
+        self.decisions: list[common_pb2.StepDecision] = []
+        self.drafting = DraftStage(services, request_id, lambda: self.prompt + self.generated)
+
+    async def run(self) -> AsyncIterator[router_pb2.RouteChunk]:
+        if self.speculating:  # prefill the drafter the first step will use, during step 0
+            self._warm_ahead(self._arm())
+        step = 0
+        while True:
+            plan = self.plan(step)
+            drafted = await self.draft(plan)
+            result = await self.submit(plan, drafted)
+            emitted = self.observe(plan, drafted, result)
+            chunk = self.emit(emitted)
+            yield chunk
+            if chunk.finish_reason:
+                return
+            self.advance(result, emitted)
+            step += 1
+
+    def sizing(self, arm: str) -> RequestSizing:
+        if arm not in self.sizings:
+            self.sizings[arm] = self.services.sizing_for(arm).for_request()
+        return self.sizings[arm]
+
+    def close(self) -> None:
+        self.drafting.close()
+
+    # the stages -------------------------------------------------------------------------------
+    def plan(self, step: int) -> Plan:
+        """The step's arm and node budget, published to the other requests' choices."""
+        started = time.perf_counter()
+        batch = self.services.batch
+        in_flight = len(batch)
+        arm = self._arm() if step > 0 and self.speculating else None
+        choice = (self.sizing(arm.name).choose(in_flight, batch.share(self.request_id))
+                  if arm else StepChoice(0, 1.0))
+        batch.plan(self.request_id, choice.budget, choice.expected_length, 0.0)
+        return Plan(step, arm, choice, in_flight, started)
+
+    async def draft(self, plan: Plan) -> Drafted:
+        """The plan's tree (none for a budget of 0), after the pool has room for it."""
+        budget = plan.choice.budget
+        if budget > 0:
+            with tracer.start_as_current_span("router.draft", attributes={
+                    "specmesh.step": plan.step, "specmesh.budget": budget}):
+                await self.services.wait_for_room()
+                drafted = await self.drafting.draft(plan.arm, budget, self.sizing(plan.arm.name))
+        else:
+            drafted = Drafted()
+        self.services.batch.plan(self.request_id, len(drafted.tree),
+                                 plan.choice.expected_length, drafted.seconds)
+        return drafted
+
+    async def submit(self, plan: Plan, drafted: Drafted) -> pool_pb2.VerifyResult:
+        """The tree's round trip: into the pool, verified, its result back."""
+        choice = plan.choice
+        with tracer.start_as_current_span("router.verify", attributes={"specmesh.step": plan.step}):
+            heads_nodes = self._heads_nodes(choice)
+            self.drafting.verifying(drafted)
+            return await self.services.verify(
+                self.request_id, plan.step, len(self.generated), drafted.pb,
+                {"specmesh.arm": plan.arm_name, "specmesh.budget": choice.budget,
+                 "specmesh.probe": choice.probe, "specmesh.expected_length": choice.expected_length,
+                 "specmesh.drafters": drafted.drafters},
+                heads_nodes=heads_nodes)
+
+    def observe(self, plan: Plan, drafted: Drafted, result: pool_pb2.VerifyResult) -> list[int]:
+        """What came of the step, learnt by the sizing, the selection and the vote and recorded
+        in the request's stats; returns the emitted tokens (accepted + bonus)."""
+        emitted = [*result.accepted, result.bonus]
+        seconds = time.perf_counter() - plan.started
+        choice, arm, tree = plan.choice, plan.arm_name, drafted.tree
+        verified = (VerifyStep(result.verify_seconds, result.batch_rows, result.batch_trees,
+                               result.batch_nodes, result.verifier)
+                    if result.batch_trees else None)
+        self.decisions.append(self.sizing(arm or FIXED_ARM).observe(
+            plan.step, choice, tree, emitted, seconds, plan.in_flight, drafted.drafters, arm,
+            verified, drafted.seconds, drafted.switch_seconds))
+        selection = self.services.selection
+        if plan.arm is not None and selection is not None:
+            # SPIN's goodput is the drafter's rate; the switch is a cost of its own (LBSS)
+            selection.observe(self.request_id, arm, len(emitted),
+                              max(seconds - drafted.switch_seconds, 1e-6))
+        if drafted.vote is not None:
+            self.services.voting.observe(drafted.vote, emitted)
+        self.stats.observe_step(len(tree), len(result.accepted), choice.expected_length)
+        trace.get_current_span().add_event("router.step", {
+            "specmesh.step": plan.step, "specmesh.arm": arm, "specmesh.budget": choice.budget,
+            "specmesh.tree_size": len(tree), "specmesh.expected_length": choice.expected_length,
+            "specmesh.emitted": len(emitted)})
+        return emitted
+
+    def emit(self, emitted: list[int]) -> router_pb2.RouteChunk:
+        """Applies the stop conditions token by token; returns the chunk to stream."""
+        out: list[int] = []
+        finish = common_pb2.FINISH_REASON_UNSPECIFIED
+        by_token = bool(self.text.stop)  # stop sequences are looked for after every token
+        for token in emitted:
+            out.append(token)
+            self.generated.append(token)
+            if token in self.stops or (by_token and self.text.push(token)):
+                finish = common_pb2.FINISH_REASON_STOP
+            elif len(self.generated) >= self.max_new:
+                finish = common_pb2.FINISH_REASON_LENGTH
+            if finish:
+                break
+        if not by_token:  # a stop token ends the output but is not text
+            self.text.extend(out[:-1] if finish == common_pb2.FINISH_REASON_STOP else out)
+        self.stats.observe_emitted(len(out))
+        text = self.text.finish() if finish else self.text.take()
+        stats = self.stats.to_pb()
+        if finish:  # the per-step record goes out once, with the last chunk
+            stats.decisions.extend(self.decisions)
+        return router_pb2.RouteChunk(token_ids=out, text=text, finish_reason=finish,
+                                     stats=stats)
+
+    def advance(self, result: pool_pb2.VerifyResult, emitted: list[int]) -> None:
+        """Between two steps: the sources learn the outcome; with a selection, the drafter
+        where the request will likely draft next prefills it now (fast switching)."""
+        self.drafting.advance(result, emitted)
+        selection = self.services.selection
+        if selection is not None:
+            self._warm_ahead(self.services.arms.get(selection.likely_arm(self.request_id)))
+
+    # arms -------------------------------------------------------------------------------------
+    def _arm(self) -> DraftArm | None:
+        """This step's draft source: the configured one, or the selection's choice."""
+        services = self.services
+        if services.selection is None:
+            return services.arms.configured
+        return services.arms.get(services.selection.arm_for(
+            self.request_id, services.batch.prompts, services.batch.idle))
+
+    def _warm_ahead(self, arm: DraftArm | None) -> None:
+        """Prefills the arm's drafters before the arm is used, if the request's sizing would
+        draft on it now: a request whose steps run plain (a saturated batch) costs its drafters
+        nothing."""
+        batch = self.services.batch
+        if arm is not None and self.sizing(arm.name).would_speculate(
+                len(batch), batch.share(self.request_id)):
+            self.drafting.warm(arm)
+
+    def _heads_nodes(self, choice: StepChoice) -> int:
+        """The node limit of the tree the verifier's heads draft with this step's result, for
+        the next step (`SizeStrategy.ahead_budget`): none where that step would not draft with
+        the heads (another arm, or a plain step that is not a probe)."""
+        services = self.services
+        if not (services.arms.heads and self.speculating):
+            return 0
+        arm = (services.arms.get(services.selection.likely_arm(self.request_id))
+               if services.selection is not None else services.arms.configured)
+        if arm is None or not arm.heads:
+            return 0
+        batch = services.batch
+        return self.sizing(arm.name).ahead_budget(choice.budget, len(batch),
+                                                  batch.share(self.request_id))
