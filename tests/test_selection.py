@@ -34,7 +34,7 @@ def test_a_plan_holds_for_a_slot_and_is_redrawn_after():
     for t in range(1, 30):
         clock.now = float(t)
         plans.add(tuple(sel.arm_for(rid, live) for rid in live))
-    assert sel.slots == 29 and len(plans) > 1
+    assert len(plans) > 1
 
 
 def test_lbss_through_the_selection_learns_the_best_arm():

@@ -129,12 +129,10 @@ def test_acr_of_figure5_outputs_and_weight_update():
     assert voter.weights["ssm1"] == pytest.approx(1.5)  # 0.75 > 0.7: rewarded
     assert voter.weights["ssm2"] == pytest.approx(0.5)  # 0.25 < 0.3: punished
     assert voter.weights["ssm3"] == pytest.approx(1.0)  # no output voted: unchanged
-    # next batch: between the thresholds, nothing changes; lifetime ACR keeps all outputs
+    # next batch: between the thresholds, nothing changes
     voter.record("ssm1", 2, 4)
     assert voter.update() == pytest.approx({"ssm1": 0.5})
     assert voter.weights["ssm1"] == pytest.approx(1.5)
-    assert voter.acr("ssm1") == pytest.approx((1.0 + 0.5 + 0.75 + 0.5) / 4)
-    assert voter.acr("ssm3") is None
 
 
 def test_thresholds_are_strict():

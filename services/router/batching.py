@@ -3,9 +3,9 @@ that the router's request loops make at the same moment are coalesced into one b
 
 Request loops become ready together: one verifier step answers a whole batch of requests, the
 router's dispatcher resolves their futures in one go, and each loop then asks for its next
-tree. A batcher holds the items submitted during one turn of the event loop (`window_s` = 0)
-or a short window, then sends them as one request; each caller gets its own tree back, or the
-call's exception (every caller then handles it as it handles a failed single call).
+tree. A batcher holds the items submitted during one turn of the event loop, then sends them
+as one request; each caller gets its own tree back, or the call's exception (every caller then
+handles it as it handles a failed single call).
 """
 from __future__ import annotations
 
@@ -17,25 +17,18 @@ from typing import Any
 class MicroBatcher:
     def __init__(self, call: Callable[[Any, float], Awaitable[Any]],
                  make_request: Callable[[Sequence[Any]], Any], max_items: int = 64,
-                 window_s: float = 0.0,
                  seconds: Callable[[Any, int], Sequence[float]] | None = None) -> None:
         """`call(request, timeout)` sends one batched request built by `make_request(items)`;
         its response's `trees` answer the items in order. `seconds(response, n)`: the service
         time of each of the n items (`submit_timed`); default none known (0)."""
-        if max_items < 1 or window_s < 0:
-            raise ValueError("need max_items >= 1 and window_s >= 0")
+        if max_items < 1:
+            raise ValueError("need max_items >= 1")
         self._call, self._make = call, make_request
         self._seconds = seconds or (lambda response, n: [0.0] * n)
-        self.max_items, self.window_s = max_items, window_s
+        self.max_items = max_items
         self._queue: list[tuple[Any, asyncio.Future]] = []
         self._timer: asyncio.Handle | None = None
         self._tasks: set[asyncio.Task] = set()
-        self.calls = 0
-        self.items = 0
-
-    async def submit(self, item: Any, timeout: float, alone: bool = False) -> Any:
-        """The item's tree."""
-        return (await self.submit_timed(item, timeout, alone))[0]
 
     async def submit_timed(self, item: Any, timeout: float, alone: bool = False
                            ) -> tuple[Any, float]:
@@ -51,8 +44,7 @@ class MicroBatcher:
         if len(self._queue) >= self.max_items:
             self._flush(timeout)
         elif self._timer is None:
-            self._timer = (loop.call_later(self.window_s, self._flush, timeout) if self.window_s
-                           else loop.call_soon(self._flush, timeout))
+            self._timer = loop.call_soon(self._flush, timeout)
         return await future
 
     def _flush(self, timeout: float) -> None:
@@ -67,8 +59,6 @@ class MicroBatcher:
             task.add_done_callback(self._tasks.discard)
 
     async def _send(self, batch: list[tuple[Any, asyncio.Future]], timeout: float) -> None:
-        self.calls += 1
-        self.items += len(batch)
         try:
             response = await self._call(self._make([item for item, _ in batch]), timeout)
             trees = list(response.trees)

@@ -77,7 +77,6 @@ class Router:
         # the verifier's pass time over its rows, shared by every arm's sizing
         self.verify_times = PassTimes()
         self._sizings: dict[str, TreeSizing] = {}  # per arm: step times, prior acceptance
-        self.backpressure_waits = 0
         # majority vote (Minions 3.2) over every source: the configured arm with selection=fixed,
         # else one more arm for the selection
         self.voter = MajorityVoter(self.arms.voters) if self.arms.voters else None
@@ -179,12 +178,9 @@ class Router:
         limit = self.settings.max_pending_trees
         if not limit:
             return
-        waited = False
         deadline = time.monotonic() + self.settings.step_timeout_s
         while await self.pool.pending() >= limit and time.monotonic() < deadline:
-            waited = True
             await asyncio.sleep(0.002)
-        self.backpressure_waits += waited
 
     def _validate(self, request: router_pb2.RouteRequest, prompt: list[int],
                   params: SamplingParams) -> None:

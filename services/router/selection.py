@@ -56,7 +56,6 @@ class Selection:
         self._clock = clock
         self._slot_started = clock()
         self._plan: dict[str, str | None] = {}
-        self.slots = 0
 
     def arm_for(self, request_id: str, live: Mapping[str, int],
                 idle: Callable[[str, str], bool] | None = None) -> str | None:
@@ -67,7 +66,6 @@ class Selection:
         now = self._clock()
         if now - self._slot_started >= self.slot_s:
             self._slot_started = now
-            self.slots += 1
             self._next_slot()
             self._plan = {}
         if request_id not in self._plan:

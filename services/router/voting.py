@@ -70,10 +70,6 @@ class Vote:
     voted: str | None  # the drafter whose sequence the majority path is (None: nothing drafted)
 
     @property
-    def weights(self) -> tuple[float, ...]:  # [n] node weights w_u
-        return self.union.scores
-
-    @property
     def tokens(self) -> tuple[int, ...]:
         """The majority-approved output S_final."""
         return tuple(self.union.tokens[i] for i in self.path)
@@ -223,7 +219,6 @@ class MajorityVoter:
             raise ValueError("drafter names must be unique")
         self.weights: dict[str, float] = {d: self.config.initial_weight for d in self.drafters}
         self._batch: dict[str, _Acceptance] = {d: _Acceptance() for d in self.drafters}
-        self._lifetime: dict[str, _Acceptance] = {d: _Acceptance() for d in self.drafters}
 
     def vote(self, sequences: Mapping[str, Sequence[int]]) -> Vote:
         unknown = set(sequences) - set(self.weights)
@@ -239,7 +234,6 @@ class MajorityVoter:
             raise ValueError(f"accepted {accepted} outside [0, speculated={speculated}]")
         rate = accepted / speculated
         self._batch[drafter].add(rate)
-        self._lifetime[drafter].add(rate)
 
     def observe(self, vote: Vote, emitted: Sequence[int]) -> None:
         """Credits `vote`'s voted drafter (every drafter with `credit_all`) from the verifier's
@@ -248,10 +242,6 @@ class MajorityVoter:
         for name, (accepted, speculated) in judged.items():
             if name == vote.voted or self.config.credit_all:
                 self.record(name, accepted, speculated)
-
-    def acr(self, drafter: str) -> float | None:
-        """Average acceptance rate of all outputs `drafter` was voted for so far (eq. 1)."""
-        return self._lifetime[drafter].mean
 
     def update(self) -> dict[str, float]:
         """After a verified batch: ACR of each drafter over this batch's outputs (eq. 1), weight
