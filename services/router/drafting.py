@@ -131,6 +131,7 @@ class DraftStage:
         self.lookup_tokens.extend(emitted)
 
     def close(self) -> None:
+        """Cancels the drafters' prefills of the request still in flight."""
         for sync in self.syncs.values():
             if sync.prefill_task is not None and not sync.prefill_task.done():
                 sync.prefill_task.cancel()

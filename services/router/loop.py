@@ -162,11 +162,13 @@ class RequestLoop:
             step += 1
 
     def sizing(self, arm: str) -> RequestSizing:
+        """The request's part of an arm's tree-size policy, made at its first use."""
         if arm not in self.sizings:
             self.sizings[arm] = self.services.sizing_for(arm).for_request()
         return self.sizings[arm]
 
     def close(self) -> None:
+        """The request ended: drafter prefills still in flight are cancelled."""
         self.drafting.close()
 
     # the stages -------------------------------------------------------------------------------
