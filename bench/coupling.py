@@ -17,12 +17,19 @@ give, for a chain's first token and for a level of 4 candidates:
 and, on the greedy continuation of the same prompts, the greedy agreement (top-1 and among the
 draft's 4 best). Chat (MT-Bench) and code (HumanEval) apart.
 
+With --serve, the same prompts go through an embedded mesh at the serving defaults instead:
+greedy, then sampled with coupled drafting (the default), then sampled with it off
+(`speculation.coupled=false`: the draft's likeliest tokens); per mode and prompt class the share
+of drafted tokens accepted ((tokens - steps) / tree nodes) and the tokens per step.
+
     python -m bench.coupling --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b
-Writes bench/results/coupling-<model>-<dtype>[-<tag>].json and .md.
+    python -m bench.coupling --serve --model qwen2.5-coder-1.5b --dtype bfloat16
+Writes bench/results/coupling-<model>-<dtype>[-serve][-<tag>].json and .md.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 from collections import defaultdict
 
@@ -95,6 +102,62 @@ def position_rates(p: torch.Tensor, q: torch.Tensor, draws: int, seed: int
             "rejection": (float(torch.minimum(p, q).sum()), rej_level / draws)}
 
 
+def serve_rates(args, prompts, params: SamplingParams) -> dict:
+    """Per mode and prompt class: drafted tokens accepted / drafted, tokens per step."""
+    from specmesh_services.common.serving import compute_executor
+    from specmesh_services.embedded import EmbeddedMesh
+
+    settings = Settings(model=args.model, dtype=args.dtype)
+    modes = {"greedy": ({}, {}),
+             "coupled": ({"temperature": params.temperature, "top_p": params.top_p,
+                          "top_k": params.top_k}, {}),
+             "uncoupled": ({"temperature": params.temperature, "top_p": params.top_p,
+                            "top_k": params.top_k}, {"speculation.coupled": False})}
+
+    async def run(sampling: dict, overrides: dict) -> dict:
+        sums: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # tokens, steps, nodes
+        async with EmbeddedMesh.start(settings.with_overrides(**overrides), compute) as mesh:
+            for i, p in enumerate(tqdm(prompts, desc=str(sampling or "greedy"), leave=False)):
+                out = await mesh.generate(max_tokens=args.max_tokens, seed=i, **sampling,
+                                          **p.request)
+                kind = "code" if p.category == "code" else "chat"
+                for key in (kind, "all"):
+                    sums[key][0] += len(out.token_ids)
+                    sums[key][1] += out.stats.steps
+                    sums[key][2] += out.stats.draft_tokens
+        return {kind: {"accepted_share": (t - s) / n if n else 0.0, "tokens_per_step": t / s,
+                       "draft_tokens": n} for kind, (t, s, n) in sums.items()}
+
+    compute = compute_executor()
+    try:
+        return {mode: asyncio.run(run(*modes[mode])) for mode in modes}
+    finally:
+        compute.shutdown()
+
+
+def serve_report(args, prompts, params: SamplingParams) -> int:
+    rates = serve_rates(args, prompts, params)
+    name = f"coupling-{args.model}-{args.dtype}-serve" + (f"-{args.tag}" if args.tag else "")
+    lines = [header(f"drafted tokens accepted through the mesh, target {args.model} "
+                    f"({args.dtype}, serving defaults), T={args.temperature} top-p={args.top_p} "
+                    f"top-k={args.top_k}, {len(prompts)} prompts x {args.max_tokens} tokens",
+                    False),
+             "", "| prompts | mode | drafted tokens | accepted share | vs greedy | tokens/step |",
+             "|---|---|---:|---:|---:|---:|"]
+    for kind in ("chat", "code", "all"):
+        base = rates["greedy"].get(kind, {}).get("accepted_share", 0.0)
+        for mode, by_kind in rates.items():
+            r = by_kind.get(kind)
+            if r:
+                lines.append(f"| {kind} | {mode} | {r['draft_tokens']} | "
+                             f"{r['accepted_share']:.3f} | "
+                             f"{r['accepted_share'] / base if base else 0:.2f} | "
+                             f"{r['tokens_per_step']:.2f} |")
+    save_report(name, {"config": vars(args), "prompts": [p.name for p in prompts],
+                       "rates": rates}, "\n".join(lines) + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -108,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--humaneval", type=int, default=8, help="HumanEval problems [8]")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--draws", type=int, default=32, help="race draws per position [32]")
+    parser.add_argument("--serve", action="store_true", help="through an embedded mesh")
     parser.add_argument("--tag", default="")
     args = parser.parse_args(argv)
     dtype = models.resolve_dtype(args.dtype)
@@ -117,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = load_prompts(Config(args.model, "", args.dtype, mtbench=args.mtbench,
                                   humaneval=args.humaneval, max_tokens=args.max_tokens), tokenizer)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    if args.serve:
+        return serve_report(args, prompts, params)
     greedy = SamplingParams()
     eos = tokenizer.eos_token_id
     target = models.load_model(target_path, dtype)

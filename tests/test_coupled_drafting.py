@@ -8,6 +8,8 @@ right draft (the target's own table) and a wrong one, on chains and trees:
 - a right draft is accepted whole, and a wrong one at least as often as the uncoupled rule
   (its likeliest token, accepted with the target's probability of it) would be.
 """
+import asyncio
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -151,3 +153,37 @@ def test_greedy_or_unseeded_requests_draft_the_likeliest_tokens():
         Coupling.of(SamplingParams(temperature=1.0, seed=1), 0)
     with pytest.raises(ValueError, match="top_p"):
         Coupling.of(SamplingParams(temperature=1.0, seed=1, top_p=2.0), VOCAB)
+
+
+def test_the_mesh_samples_the_same_tokens_with_any_draft_and_couples_its_drafts(
+        base_settings, questions, compute):
+    """SmolLM2 fp32 through the embedded mesh at temperature 1 with top-p and top-k, seeded:
+    with coupled drafts (batch 1 and 6 in flight), uncoupled drafts and no speculation the
+    outputs are identical, and coupled drafts are accepted more often than uncoupled ones."""
+    from specmesh_services.embedded import EmbeddedMesh
+
+    draft = base_settings.with_overrides(drafters=["layers:20"], **{
+        "speculation.depth": 4, "speculation.width": 1})
+    runs = {"coupled": draft, "uncoupled": draft.with_overrides(**{"speculation.coupled": False}),
+            "plain": base_settings.with_overrides(**{"speculation.depth": 0})}
+    sampling = dict(temperature=1.0, top_p=0.95, top_k=50, max_tokens=16)
+
+    async def run(settings, concurrency):
+        gate = asyncio.Semaphore(concurrency)
+        async with EmbeddedMesh.start(settings.with_overrides(
+                **{"verifier.batch_size": concurrency}), compute) as mesh:
+            async def one(i):
+                async with gate:
+                    return await mesh.generate(messages=[{"role": "user", "content":
+                                                          questions[i]["turns"][0]}],
+                                               seed=i, **sampling)
+            return await asyncio.gather(*(one(i) for i in range(6)))
+
+    out = {(name, c): asyncio.run(run(runs[name], c))
+           for name, c in (("plain", 1), ("coupled", 1), ("coupled", 6), ("uncoupled", 1))}
+    reference = [list(r.token_ids) for r in out["plain", 1]]
+    for key, responses in out.items():
+        assert [list(r.token_ids) for r in responses] == reference, key
+    share = {name: sum(r.stats.accepted_tokens for r in out[name, 1])
+             / sum(r.stats.draft_tokens for r in out[name, 1]) for name in ("coupled", "uncoupled")}
+    assert share["coupled"] > share["uncoupled"], share

@@ -76,6 +76,10 @@ class SpeculationSettings(Section):
                                                        "serves at once")
     epsilon: float = Field(0.2, ge=0, le=1, description="epsilon-greedy: share of slots in "
                                                         "which all requests take the best source")
+    coupled: bool = Field(True, description="sampled requests: the draft models draw with the "
+                          "target's own random numbers (coupled drafting), so the target's draw "
+                          "equals the drafted token whenever the two agree; off: they draft their "
+                          "likeliest tokens (the output is the same either way)")
     voting: bool = Field(False, description="majority vote (Minions): every source drafts each "
                                             "step, their paths are merged by weighted vote and "
                                             "the voted path is verified (selection=fixed only)")
@@ -137,8 +141,8 @@ class VerifierSettings(Section):
     claim_idle_s: float = Field(30.0, gt=0, description="re-claim drafts unacknowledged this long")
     batch_wait_s: float | None = Field(
         None, ge=0, description="with fewer trees in hand than requests it is serving, wait this "
-        "long for the others' trees to fill the batch (default: half the mean step time; "
-        "0 = never wait)")
+        "long for the others' trees to fill the batch (default: measured, only for trees due "
+        "within a step's fixed cost; 0 = never wait)")
     name: str = Field("", description="consumer name in the pool (default: verifier-<pid>)")
 
 

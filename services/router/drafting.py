@@ -77,8 +77,10 @@ class DraftStage:
     each result)."""
 
     def __init__(self, services: LoopServices, request_id: str,
-                 context: Callable[[], list[int]]) -> None:
+                 context: Callable[[], list[int]],
+                 sampling: common_pb2.SamplingParams | None = None) -> None:
         self.services = services
+        self.sampling = sampling  # a sampled request's, for coupled drafting (None: greedy)
         self.request_id = request_id
         self.context = context
         self.syncs: dict[str, _DrafterSync] = {}  # per model drafter name
@@ -149,8 +151,12 @@ class DraftStage:
             self._prefill_drafter(name, self.context())))
 
     def _prefill_request(self, name: str, tokens: list[int]) -> drafter_pb2.DraftPrefillRequest:
-        return drafter_pb2.DraftPrefillRequest(request_id=self.request_id, drafter=name,
-                                               token_ids=tokens)
+        request = drafter_pb2.DraftPrefillRequest(request_id=self.request_id, drafter=name,
+                                                  token_ids=tokens)
+        if self.sampling is not None:
+            request.sampling.CopyFrom(self.sampling)
+            request.target_vocab_size = self.services.target.vocab_size
+        return request
 
     def _draft_item(self, name: str, new_tokens: list[int], depth: int) -> drafter_pb2.DraftItem:
         spec = self.services.speculation

@@ -24,6 +24,7 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from specmesh_services.common import telemetry
 from specmesh_services.common.config import RouterSettings, SpeculationSettings
@@ -156,7 +157,8 @@ class Router:
             await self.pool.put_request(state, self.settings.request_ttl_s)
             if request_id in self.batch:
                 raise ValueError(f"request {request_id} is already being generated")
-            loop = RequestLoop(self.services, request, request_id, prompt)
+            loop = RequestLoop(self.services, request, request_id, prompt,
+                               self._coupling(params, seed))
             self.batch.add(loop)
             try:
                 async for chunk in loop.run():
@@ -170,6 +172,13 @@ class Router:
                                      "specmesh.mean_accepted_length":
                                          loop.stats.mean_accepted_length})
                 await self._release(request_id)
+
+    def _coupling(self, params: SamplingParams, seed: int) -> common_pb2.SamplingParams | None:
+        """How the drafters draw a sampled request's tokens (with its resolved seed: coupled
+        drafting, services/drafter/engine.py), or None: they draft their likeliest tokens."""
+        if params.greedy or not self.speculation.coupled:
+            return None
+        return replace(params, seed=seed).to_pb()
 
     async def wait_for_room(self) -> None:
         """Back-pressure: while the pool holds `max_pending_trees` trees not yet verified, a new

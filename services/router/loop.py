@@ -131,7 +131,10 @@ class RequestLoop:
     """State of one request's loop inside the router."""
 
     def __init__(self, services: LoopServices, request: router_pb2.RouteRequest,
-                 request_id: str, prompt: list[int]) -> None:
+                 request_id: str, prompt: list[int],
+                 sampling: common_pb2.SamplingParams | None = None) -> None:
+        """`sampling`: a sampled request's parameters with its seed, which its draft models
+        draw with (coupled drafting); None: they draft their likeliest tokens."""
         self.services = services
         self.request_id = request_id
         self.prompt = prompt
@@ -143,7 +146,8 @@ class RequestLoop:
         self.speculating = services.speculation.depth > 0
         self.sizings: dict[str, RequestSizing] = {}  # per arm
         self.decisions: list[common_pb2.StepDecision] = []
-        self.drafting = DraftStage(services, request_id, lambda: self.prompt + self.generated)
+        self.drafting = DraftStage(services, request_id, lambda: self.prompt + self.generated,
+                                   sampling)
 
     async def run(self) -> AsyncIterator[router_pb2.RouteChunk]:
         if self.speculating:  # prefill the drafter the first step will use, during step 0
