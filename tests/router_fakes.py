@@ -115,6 +115,7 @@ class ScriptedVerifier:
         self.pool = pool
         self.generated: dict[str, list[int]] = defaultdict(list)  # what the pool appended
         self.entries: list[pool_pb2.DraftEntry] = []
+        self.batch_capacity = 4  # the batch size its results report
 
     def context(self, request_id: str) -> list[int]:
         return list(self.pool.states[request_id].prompt_ids) + self.generated[request_id]
@@ -150,7 +151,7 @@ class ScriptedVerifier:
             request_id=entry.request_id, step=entry.step, base_len=entry.base_len,
             accepted=accepted, accepted_nodes=nodes, bonus=bonus, tree_size=len(tree),
             verifier="scripted", verify_seconds=0.001 * rows, batch_trees=1,
-            batch_nodes=len(tree), batch_rows=rows)
+            batch_nodes=len(tree), batch_rows=rows, batch_capacity=self.batch_capacity)
 
 
 class ScriptedDrafter:

@@ -163,3 +163,29 @@ def test_length_sizing_shapes_the_draft_with_its_length():
     assert tokens == continuation(PROMPT, 20)
     assert {d.budget for d in last.stats.decisions[1:]} == {4}  # Minions' initial length
     assert {item.depth for batch in mesh.drafter.batches for item in batch.items} == {4}
+
+
+def test_back_pressure_follows_the_batch_size_the_verifiers_report():
+    """By default drafting pauses at as many pending trees as the verifiers that answered
+    batch together: none before the first result, then the reported batch size."""
+    mesh = Mesh(speculation())
+    assert mesh.router.pending_limit() == 0
+    run(mesh, {"max_tokens": 8})
+    assert mesh.router.pending_limit() == 4
+    fixed = Mesh(speculation())
+    fixed.router.settings = fixed.router.settings.model_copy(update={"max_pending_trees": 2})
+    assert fixed.router.pending_limit() == 2
+
+
+def test_a_sampled_request_prefills_its_drafter_with_its_sampling_and_seed():
+    """Coupled drafting: the drafter is told the request's sampling, its seed (drawn when the
+    client gave none) and the target's vocabulary; greedy requests send none."""
+    mesh = Mesh(speculation())
+    sampled = common_pb2.SamplingParams(temperature=0.8, top_p=0.9)
+    run(mesh, {"request_id": "hot", "max_tokens": 8, "sampling": sampled},
+        {"request_id": "cold", "max_tokens": 8})
+    prefills = {p.request_id: p for p in mesh.drafter.prefills}
+    hot = prefills["hot"]
+    assert hot.HasField("sampling") and hot.sampling.HasField("seed")
+    assert abs(hot.sampling.temperature - 0.8) < 1e-6 and hot.target_vocab_size > 0
+    assert not prefills["cold"].HasField("sampling")

@@ -151,9 +151,10 @@ class RouterSettings(Section):
 
     step_timeout_s: float = Field(120.0, gt=0, description="give up on a step after this long")
     request_ttl_s: float = Field(3600.0, gt=0, description="pool state expiry of abandoned requests")
-    max_pending_trees: int = Field(8, ge=0, description="back-pressure: pause drafting while this "
-                                   "many trees wait in the pool (the verifier's batch size; "
-                                   "0 = never)")
+    max_pending_trees: int | None = Field(
+        None, ge=0, description="back-pressure: pause drafting while this many trees wait in the "
+        "pool (default: as many as the verifiers that answered lately batch together, their "
+        "batch sizes summed; 0 = never)")
     draft_batch_max: int = Field(64, ge=1, description="micro-batching: most Draft/Lookup items "
                                                        "sent in one call")
 

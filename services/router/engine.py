@@ -45,6 +45,9 @@ tracer = telemetry.tracer(__name__)
 __all__ = ["Router", "TargetInfo"]
 
 
+CAPACITY_TTL_S = 30.0  # a verifier not heard from this long no longer counts for back-pressure
+
+
 class Router:
     def __init__(self, pool: Pool, drafter, tokenizer, target: TargetInfo,
                  speculation: SpeculationSettings, settings: RouterSettings,
@@ -74,6 +77,7 @@ class Router:
                                  drafter_costs or {})
         self._waiting: dict[tuple[str, int], asyncio.Future] = {}
         self._dispatcher: asyncio.Task | None = None
+        self._capacity: dict[str, tuple[int, float]] = {}  # verifier -> (batch size, last seen)
         self.batch = InFlight()  # the requests being generated, their current plans
         # the verifier's pass time over its rows, shared by every arm's sizing
         self.verify_times = PassTimes()
@@ -133,6 +137,9 @@ class Router:
         while True:
             try:
                 for result in await self.pool.results(self.router_id, block_s=1.0):
+                    if result.batch_capacity:
+                        self._capacity[result.verifier] = (result.batch_capacity,
+                                                           time.monotonic())
                     future = self._waiting.pop((result.request_id, result.step), None)
                     if future is not None and not future.done():
                         future.set_result(result)
@@ -180,11 +187,22 @@ class Router:
             return None
         return replace(params, seed=seed).to_pb()
 
+    def pending_limit(self) -> int:
+        """Trees the pool may hold before drafting pauses: `max_pending_trees`, by default the
+        batch sizes of the verifiers that answered within the last CAPACITY_TTL_S summed
+        (0 until one has answered: no back-pressure)."""
+        if self.settings.max_pending_trees is not None:
+            return self.settings.max_pending_trees
+        now = time.monotonic()
+        for name in [v for v, (_, seen) in self._capacity.items() if now - seen > CAPACITY_TTL_S]:
+            del self._capacity[name]
+        return sum(size for size, _ in self._capacity.values())
+
     async def wait_for_room(self) -> None:
-        """Back-pressure: while the pool holds `max_pending_trees` trees not yet verified, a new
-        tree would only wait there, so drafting pauses (the drafters' time goes to requests
-        whose trees will be verified sooner)."""
-        limit = self.settings.max_pending_trees
+        """Back-pressure (Minions): while the pool holds as many trees not yet verified as the
+        verifiers batch (`pending_limit`), a new tree would only wait there, so drafting pauses
+        (the drafters' time goes to requests whose trees will be verified sooner)."""
+        limit = self.pending_limit()
         if not limit:
             return
         deadline = time.monotonic() + self.settings.step_timeout_s

@@ -368,6 +368,7 @@ class VerifierEngine:
                 result.batch_trees = step.outcome.batch_size
                 result.batch_nodes = step.outcome.batch_nodes
                 result.batch_rows = step.outcome.batch_rows
+                result.batch_capacity = self.limits.max_batch_trees
                 out.append((result, [*w.tokens, w.bonus]))
         self._draft_heads(entries, out)
         return out
