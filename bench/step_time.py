@@ -199,11 +199,17 @@ def _interval(span: ReadableSpan) -> Interval:
     return span.start_time, span.end_time
 
 
+def timed_spans(probe: Probe) -> tuple[list[ReadableSpan], Interval]:
+    """The timed run's finished spans and its window: the first timed prompt to the last
+    answer."""
+    spans = [s for s in probe.spans.get_finished_spans() if s.start_time >= probe.start_ns]
+    return spans, (probe.start_ns, max(s.end_time for s in spans if s.name == "router.generate"))
+
+
 def split(probe: Probe) -> dict:
     """The timed run's parts in seconds, the steps and the checks."""
-    spans = [s for s in probe.spans.get_finished_spans() if s.start_time >= probe.start_ns]
+    spans, window = timed_spans(probe)
     requests = [s for s in spans if s.name == "router.generate"]
-    window = (probe.start_ns, max(s.end_time for s in requests))
     waits: dict[int, list[Interval]] = {}  # router.generate span id -> its draft / verify waits
     for s in spans:
         if s.name in ("router.draft", "router.verify") and s.parent is not None:
@@ -347,23 +353,21 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def save_quietly(name: str, report: dict) -> None:
+def save_quietly(name: str, report: dict, text: str | None = None) -> None:
+    """The report so far (its table `text`, by default this module's), nothing printed."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2))
-    (RESULTS / f"{name}.md").write_text(markdown(report))
+    (RESULTS / f"{name}.md").write_text(markdown(report) if text is None else text)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """The options of the timed runs of the embedded mesh (the target, its draft, the prompts,
+    the batch sizes and modes)."""
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     parser.add_argument("--draft", help="the draft model [the model's serving default: "
                         "smollm2 layers:8, qwen 1.5b the 0.5b@auto]")
     parser.add_argument("--target-weights", default="auto", choices=["auto", "float", "native"])
-    parser.add_argument("--target-runner", choices=["lean", "transformers"],
-                        help="the target's forward (Settings.target_runner, where this version "
-                             "has it) [the serving default]")
     parser.add_argument("--mtbench", type=int, default=6, help="MT-Bench questions [6]")
     parser.add_argument("--humaneval", type=int, default=2, help="HumanEval problems [2]")
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -371,7 +375,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="requests in flight = verifier.batch_size [1 8]")
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     parser.add_argument("--quick", action="store_true", help="4 prompts x 32 tokens")
-    args = parser.parse_args(argv)
+
+
+@dataclass
+class Runs:
+    """What the timed runs share: the config, base settings, prompts, each mode's overrides
+    (bench.router's ablation) and the timed compute executor."""
+
+    config: Config
+    settings: Settings
+    prompts: list
+    methods: dict[str, tuple[dict, dict]]
+    compute: TimedExecutor
+
+
+def prepare(args: argparse.Namespace) -> Runs:
+    """The runs `add_run_options`' options ask for, the prompts tokenized."""
     defaults = Settings().speculation
     drafts = drafts_of(args.model)
     source = models.REGISTRY.get(args.model)
@@ -384,16 +403,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         config = replace(config, mtbench=3, humaneval=1, max_tokens=32)
     settings = base_settings(config, defaults.min_probability)
+    prompts = load_prompts(config, models.load_tokenizer(models.resolve(config.model,
+                                                                        settings.cache_dir)))
+    methods = {name: (top, dotted) for name, top, dotted in ablation(drafts, defaults.max_nodes,
+                                                                    args.model)}
+    return Runs(config, settings, prompts, methods, compute)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_options(parser)
+    parser.add_argument("--target-runner", choices=["lean", "transformers"],
+                        help="the target's forward (Settings.target_runner, where this version "
+                             "has it) [the serving default]")
+    args = parser.parse_args(argv)
+    runs = prepare(args)
+    config, settings, prompts, methods, compute = (runs.config, runs.settings, runs.prompts,
+                                                   runs.methods, runs.compute)
     if args.target_runner and "target_runner" in Settings.model_fields:
         settings = settings.with_overrides(target_runner=args.target_runner)
     elif args.target_runner:
         print(f"this version has no Settings.target_runner: --target-runner "
               f"{args.target_runner} ignored")
-    prompts = load_prompts(config, models.load_tokenizer(models.resolve(config.model,
-                                                                        settings.cache_dir)))
     probe = Probe(span_recorder(), compute)
-    methods = {name: (top, dotted) for name, top, dotted in ablation(drafts, defaults.max_nodes,
-                                                                    args.model)}
     name = (f"step-time-{args.model}" + (f"-{args.target_runner}" if args.target_runner else "")
             + ("-quick" if args.quick else ""))
     report = {"host": host(), "date": time.strftime("%Y-%m-%d"), "config": asdict(config),

@@ -98,3 +98,92 @@ def test_a_request_loop_outside_its_waits_is_the_router():
     assert subtract((0, 10), [(6, 8), (2, 4), (3, 5)]) == [(0, 2), (5, 6), (8, 10)]
     assert subtract((0, 10), [(0, 10)]) == []
     assert subtract((0, 10), [(-5, 1), (9, 20)]) == [(1, 9)]
+
+
+# bench.timeline: the verifier's idle time and the drafting the requests wait for
+def test_the_verifier_idles_where_none_of_its_steps_runs():
+    from bench.timeline import idle_share, union
+    steps = [(1, 3), (2, 4), (6, 7), (9, 12)]  # overlapping, and one past the window
+    assert union(steps) == [(1, 4), (6, 7), (9, 12)]
+    assert idle_share((0, 10), steps) == pytest.approx(1 - (3 + 1 + 1) / 10)
+    assert idle_share((0, 10), []) == 1.0
+
+
+def test_drafting_while_the_request_has_no_tree_out_is_on_the_critical_path():
+    from bench.timeline import drafting_shares
+    # request a: sequential, draft then its tree's round trip, twice; request b drafts its
+    # second step while its first tree is out (a pre-speculation hit) and 1 s after it returns
+    drafts = {"a": [(0, 2), (5, 7)], "b": [(0, 1), (3, 6)]}
+    in_flight = {"a": [(2, 5), (7, 9)], "b": [(1, 5)]}
+    busy = [(3, 5), (8, 9)]  # the verifier's steps
+    shares = drafting_shares(drafts, in_flight, busy, (0, 10))
+    assert shares["drafting_s"] == 2 + 2 + 1 + 3
+    assert shares["critical_share"] == pytest.approx((2 + 2 + 1 + 1) / 8)
+    assert shares["hidden_share"] == pytest.approx(2 / 8)  # b's drafting in 3-5
+
+
+def test_drafting_is_counted_once_per_request_and_inside_the_window():
+    from bench.timeline import drafting_shares
+    shares = drafting_shares({"a": [(-2, 2), (1, 3)]}, {"a": [(2, 4)]}, [], (0, 10))
+    assert shares == {"drafting_s": 3, "critical_share": pytest.approx(2 / 3),
+                      "hidden_share": 0.0}
+    assert drafting_shares({}, {}, [(0, 1)], (0, 10))["critical_share"] is None
+
+
+def _span(name, span_id, start, end, parent=None, **attributes):
+    from opentelemetry.sdk.trace import ReadableSpan
+    from opentelemetry.trace import SpanContext
+    return ReadableSpan(name, SpanContext(1, span_id, False),
+                        SpanContext(1, parent, False) if parent else None,
+                        attributes={f"specmesh.{k}": v for k, v in attributes.items()},
+                        start_time=start, end_time=end)
+
+
+def test_each_request_step_gets_its_draft_queue_and_engine_step():
+    from bench.timeline import step_records, summarize
+    s = 1_000_000_000
+    spans = [_span("router.generate", 1, 0, 10 * s, request_id="r1"),
+             _span("router.draft", 2, 1 * s, 2 * s, 1, step=1, prespeculated="hit"),
+             _span("router.verify", 3, 2 * s, 5 * s, 1, step=1),
+             _span("router.submit", 4, 2 * s, 2 * s + 1000, 3, step=1),
+             # deferred once, then verified in engine step 7 (parented on the submit)
+             _span("verifier.verify", 5, 2 * s, 3 * s, 4, request_id="r1", step=1,
+                   verifier_step=6, deferred=True),
+             _span("verifier.verify", 6, 3 * s, 4 * s + s // 2, 4, request_id="r1", step=1,
+                   verifier_step=7, forward_seconds=0.5, batch_wait_seconds=0.1, accepted=2),
+             # a step without a tree, its verify matched on request id and step
+             _span("router.verify", 7, 6 * s, 9 * s, 1, step=2),
+             _span("verifier.verify", 8, 7 * s, 8 * s, request_id="r1", step=2,
+                   verifier_step=8)]
+    jobs = [("verifier-step", 2 * s, 3 * s), ("verifier-step", 3 * s + s // 4, 4 * s),
+            ("drafting", 1 * s, 2 * s), ("verifier-step", 7 * s, 8 * s)]
+    records, busy = step_records(spans, jobs, (0, 10 * s))
+    assert busy == [(2.0, 3.0), (3.25, 4.0), (7.0, 8.0)]
+    first, second = records
+    assert first["draft"] == [1.0, 2.0] and first["prespeculated"] == "hit"
+    assert first["verify"] == [3.25, 4.0] and first["queue_s"] == 1.25
+    assert first["verifier_step"] == 7 and first["accepted"] == 2
+    assert first["forward_s"] == 0.5 and first["returned"] == 5.0
+    assert second["draft"] is None and second["prespeculated"] == "none"
+    assert second["verify"] == [7.0, 8.0] and second["submit"] == 6.0
+    summary = summarize(records, busy, 10.0)
+    assert summary["verifier_idle_share"] == pytest.approx(1 - 2.75 / 10)
+    assert summary["critical_share"] == 1.0 and summary["hidden_share"] == 0.0
+    assert summary["prespeculated"] == {"hit": 1, "miss": 0}
+    assert summary["queue_ms"] == pytest.approx(1125.0)
+
+
+def test_the_timeline_chart_is_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    from bench.timeline import plot
+    records = [{"request": 0, "draft": [0.0, 0.1], "submit": 0.1, "verify": [0.15, 0.3],
+                "returned": 0.32, "prespeculated": "none"},
+               {"request": 0, "draft": [0.2, 0.3], "submit": 0.32, "verify": [0.35, 0.5],
+                "returned": 0.52, "prespeculated": "hit"},
+               {"request": 1, "draft": None, "submit": 0.05, "verify": [0.15, 0.3],
+                "returned": 0.31, "prespeculated": "miss"},
+               {"request": 2, "draft": [3.0, 3.1], "submit": 3.1, "verify": None,
+                "returned": 3.3, "prespeculated": "none"}]  # after the window: no lane
+    path = tmp_path / "timeline.png"
+    assert plot(records, [(0.15, 0.3), (0.35, 0.5)], 1.0, "test", path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
