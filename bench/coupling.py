@@ -17,7 +17,8 @@ give, for a chain's first token and for a level of 4 candidates:
 and, on the greedy continuation of the same prompts, the greedy agreement (top-1 and among the
 draft's 4 best). Chat (MT-Bench) and code (HumanEval) apart.
 
-With --serve, the same prompts go through an embedded mesh at the serving defaults instead:
+With --serve, the same prompts go through an embedded mesh at the serving defaults, drafted by
+the draft model (speculation.source=model), instead:
 greedy, then sampled with coupled drafting (the default), then sampled with it off
 (`speculation.coupled=false`: the draft's likeliest tokens); per mode and prompt class the share
 of drafted tokens accepted ((tokens - steps) / tree nodes) and the tokens per step.
@@ -107,7 +108,10 @@ def serve_rates(args, prompts, params: SamplingParams) -> dict:
     from specmesh_services.common.serving import compute_executor
     from specmesh_services.embedded import EmbeddedMesh
 
-    settings = Settings(model=args.model, dtype=args.dtype)
+    # the draft model drafts every step (the model's default source may be the datastore,
+    # whose lookups are drafted the same way sampled or not)
+    settings = Settings(model=args.model, dtype=args.dtype, drafters=[args.draft]
+                        ).with_overrides(**{"speculation.source": "model"})
     modes = {"greedy": ({}, {}),
              "coupled": ({"temperature": params.temperature, "top_p": params.top_p,
                           "top_k": params.top_k}, {}),
@@ -139,7 +143,7 @@ def serve_report(args, prompts, params: SamplingParams) -> int:
     rates = serve_rates(args, prompts, params)
     name = f"coupling-{args.model}-{args.dtype}-serve" + (f"-{args.tag}" if args.tag else "")
     lines = [header(f"drafted tokens accepted through the mesh, target {args.model} "
-                    f"({args.dtype}, serving defaults), T={args.temperature} top-p={args.top_p} "
+                    f"({args.dtype}, serving defaults, draft {args.draft}), T={args.temperature} top-p={args.top_p} "
                     f"top-k={args.top_k}, {len(prompts)} prompts x {args.max_tokens} tokens",
                     False),
              "", "| prompts | mode | drafted tokens | accepted share | vs greedy | tokens/step |",
