@@ -158,13 +158,15 @@ def test_greedy_or_unseeded_requests_draft_the_likeliest_tokens():
 def test_the_mesh_samples_the_same_tokens_with_any_draft_and_couples_its_drafts(
         base_settings, questions, compute):
     """SmolLM2 fp32 through the embedded mesh at temperature 1 with top-p and top-k, seeded:
-    with coupled drafts (batch 1 and 6 in flight), uncoupled drafts and no speculation the
-    outputs are identical, and coupled drafts are accepted more often than uncoupled ones."""
+    with coupled drafts (batch 1; 6 in flight with pre-speculation), uncoupled drafts and no
+    speculation the outputs are identical, and coupled drafts are accepted more often than
+    uncoupled ones."""
     from specmesh_services.embedded import EmbeddedMesh
 
     draft = base_settings.with_overrides(drafters=["layers:20"], **{
         "speculation.depth": 4, "speculation.width": 1})
     runs = {"coupled": draft, "uncoupled": draft.with_overrides(**{"speculation.coupled": False}),
+            "ahead": draft.with_overrides(**{"speculation.prespeculate": True}),
             "plain": base_settings.with_overrides(**{"speculation.depth": 0})}
     sampling = dict(temperature=1.0, top_p=0.95, top_k=50, max_tokens=16)
 
@@ -180,7 +182,7 @@ def test_the_mesh_samples_the_same_tokens_with_any_draft_and_couples_its_drafts(
             return await asyncio.gather(*(one(i) for i in range(6)))
 
     out = {(name, c): asyncio.run(run(runs[name], c))
-           for name, c in (("plain", 1), ("coupled", 1), ("coupled", 6), ("uncoupled", 1))}
+           for name, c in (("plain", 1), ("coupled", 1), ("ahead", 6), ("uncoupled", 1))}
     reference = [list(r.token_ids) for r in out["plain", 1]]
     for key, responses in out.items():
         assert [list(r.token_ids) for r in responses] == reference, key

@@ -189,3 +189,23 @@ def test_a_sampled_request_prefills_its_drafter_with_its_sampling_and_seed():
     assert hot.HasField("sampling") and hot.sampling.HasField("seed")
     assert abs(hot.sampling.temperature - 0.8) < 1e-6 and hot.target_vocab_size > 0
     assert not prefills["cold"].HasField("sampling")
+
+
+def test_prespeculation_hits_when_the_path_is_accepted_and_rolls_back_when_not():
+    """Pre-speculation: the next tree is drafted while a step is verified, under "the whole
+    path accepted". A drafter always right hits every step after the first drafted one (its
+    Draft calls are the ahead ones); one right for 2 of 4 tokens misses every step, is rolled
+    back (context_len) and drafts again. The output is the target's either way."""
+    right = Mesh(speculation(prespeculate=True), drafter={"correct": {"": None}})
+    [(tokens, _, last)] = run(right, {"max_tokens": 40})
+    assert tokens == continuation(PROMPT, 40)
+    kinds = [d.prespeculation for d in last.stats.decisions]
+    assert kinds[:2] == ["", ""] and set(kinds[2:]) == {"hit"}, kinds
+    ahead = [item for b in right.drafter.batches for item in b.items
+             if len(item.new_tokens) > 1]  # an ahead call commits the whole path
+    assert len(ahead) >= len(kinds) - 2
+    wrong = Mesh(speculation(prespeculate=True))
+    [(tokens, _, last)] = run(wrong, {"max_tokens": 40})
+    assert tokens == continuation(PROMPT, 40)
+    kinds = [d.prespeculation for d in last.stats.decisions]
+    assert set(kinds[2:]) == {"miss"}, kinds

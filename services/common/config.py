@@ -76,6 +76,10 @@ class SpeculationSettings(Section):
                                                        "serves at once")
     epsilon: float = Field(0.2, ge=0, le=1, description="epsilon-greedy: share of slots in "
                                                         "which all requests take the best source")
+    prespeculate: bool = Field(False, description="pre-speculation: while a step's tree is "
+                               "verified, its draft model drafts the next tree under 'the whole "
+                               "main path accepted'; used when that came true (one draft model "
+                               "alone drafting, no datastore or vote)")
     coupled: bool = Field(True, description="sampled requests: the draft models draw with the "
                           "target's own random numbers (coupled drafting), so the target's draw "
                           "equals the drafted token whenever the two agree; off: they draft their "

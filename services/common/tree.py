@@ -102,6 +102,21 @@ class TokenTree:
                 mapped.append(index[key])
         return cls(tuple(tokens), tuple(parents), tuple(scores), tuple(sources), tuple(names))
 
+    def subtree(self, node: int) -> "TokenTree":
+        """The nodes below `node` as a tree continuing it (its children become the root's),
+        in the same order, with their annotations."""
+        index = {node: -1}
+        keep = []
+        for i in range(node + 1, len(self)):
+            if self.parents[i] in index:
+                index[i] = len(keep)
+                keep.append(i)
+        return TokenTree(tuple(self.tokens[i] for i in keep),
+                         tuple(index[self.parents[i]] for i in keep),
+                         tuple(self.scores[i] for i in keep) if self.scores else (),
+                         tuple(self.sources[i] for i in keep) if self.sources else (),
+                         self.source_names)
+
     def check_vocab(self, vocab_size: int) -> None:
         bad = [t for t in self.tokens if not 0 <= t < vocab_size]
         if bad:

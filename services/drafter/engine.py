@@ -82,6 +82,7 @@ class DraftJob(NamedTuple):
     depth: int
     width: int
     min_probability: float = 0.0  # stop below a level this unsure (module docstring)
+    context_len: int = 0  # the request's tokens before new_tokens (0: what the state holds)
 
 
 MAX_DEPTH = 64  # tree levels a draft may ask for (the speculation depth's limit)
@@ -163,15 +164,20 @@ class DraftModel:
         for item in items:
             check_job(item)
         states = []
-        for request_id, new_tokens, *_ in items:
-            state = self.requests.get(request_id)
+        for item in items:
+            state = self.requests.get(item.request_id)
             if state is None:
-                raise KeyError(f"request {request_id} is not prefilled on drafter {self.name}")
-            self._check_vocab(new_tokens)
+                raise KeyError(f"request {item.request_id} is not prefilled on drafter "
+                               f"{self.name}")
+            self._check_vocab(item.new_tokens)
+            if item.context_len > len(state.tokens):
+                raise ValueError(f"request {item.request_id} holds {len(state.tokens)} tokens "
+                                 f"on drafter {self.name}, the call follows "
+                                 f"{item.context_len}: prefill it again")
             states.append(state)
         runs: list[Generator[Part, torch.Tensor, TokenTree]] = []
         for state, item in zip(states, items):
-            self.commit(state, item.new_tokens)
+            self.commit(state, self.rewind(state, item.context_len, list(item.new_tokens)))
             runs.append(self._grow(state, item.depth, max(1, item.width), item.min_probability)
                         if item.depth > 0 else self._catch_up(state))
         trees: list[TokenTree | None] = [None] * len(runs)
@@ -196,6 +202,25 @@ class DraftModel:
             trees[i] = done.value
 
     # rollback ---------------------------------------------------------------------------------
+    @staticmethod
+    def rewind(state: DraftState, context_len: int, new_tokens: list[int]) -> list[int]:
+        """Pre-speculation's rollback: when the state holds tokens past `context_len` (an
+        outcome drafted ahead that did not come true), keeps the longest prefix they share
+        with `new_tokens` and drops the rest (the tree drafted on it, rows of tokens not
+        shared). Returns the new tokens to commit from where the state then stops."""
+        if not context_len or len(state.tokens) == context_len:
+            return new_tokens
+        held = state.tokens[context_len:]
+        shared = 0
+        while shared < min(len(held), len(new_tokens)) and held[shared] == new_tokens[shared]:
+            shared += 1
+        del state.tokens[context_len + shared:]
+        rest = new_tokens[shared:] or [state.tokens.pop()]  # the root must be committed anew
+        state.rows = min(state.rows, len(state.tokens) - 1)
+        state.cache.truncate(state.rows)
+        state.root_row, state.node_rows, state.last_tree = None, {}, TokenTree()
+        return rest
+
     def commit(self, state: DraftState, new_tokens: list[int]) -> None:
         """Accepted draft tokens + bonus arrive: keep the rows of the accepted path, drop the rest."""
         if not new_tokens:

@@ -58,9 +58,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             groups.setdefault(self._model(item.drafter).name, []).append(i)
         out: list = [None] * len(request.items)
         for name, indices in groups.items():
-            work = [DraftJob(request.items[i].request_id, list(request.items[i].new_tokens),
-                             request.items[i].depth, request.items[i].width,
-                             request.items[i].min_probability) for i in indices]
+            work = [_job(request.items[i]) for i in indices]
             for i, result in zip(indices, await self._run(self.models[name].draft_many, work)):
                 out[i] = result
         response = drafter_pb2.DraftBatchResponse()
@@ -73,3 +71,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     async def Release(self, request, context):
         released = sum(m.release(rid) for rid in request.request_ids for m in self.models.values())
         return drafter_pb2.DraftReleaseResponse(released=released)
+
+
+def _job(item) -> DraftJob:
+    return DraftJob(item.request_id, list(item.new_tokens), item.depth, item.width,
+                    item.min_probability, item.context_len)

@@ -37,6 +37,14 @@ class DraftArm:
     self_sized: bool = False
 
     @property
+    def one_model(self) -> str | None:
+        """The draft model it drafts with alone (no datastore, no vote, not the heads), whose
+        next tree can be drafted ahead (pre-speculation); None otherwise."""
+        if len(self.models) == 1 and not (self.datastore or self.votes or self.heads):
+            return self.models[0]
+        return None
+
+    @property
     def heads(self) -> bool:
         """Whether the verifier's heads draft for it (they draft with each result)."""
         return HEADS in self.models

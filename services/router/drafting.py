@@ -41,6 +41,9 @@ class Drafted:
     seconds: float = 0.0  # the drafters' time for it
     switch_seconds: float = 0.0  # of the step, the wait for a drafter's prefill (a switch)
     vote: Vote | None = None  # the vote it is the outcome of, when voting
+    # "hit": drafted during the step before's verification; "miss": one was, under another
+    # outcome; "": none was
+    prespeculated: str = ""
     tree: TokenTree = field(init=False)
     drafters: list[str] = field(init=False)  # the sources whose nodes are in it
 
@@ -56,6 +59,20 @@ class _Sourced(NamedTuple):
     tree: common_pb2.TokenTree
     seconds: float = 0.0
     switch_seconds: float = 0.0
+    prespeculated: str = ""
+
+
+@dataclass
+class _Ahead:
+    """A model's tree drafted while the step before is verified, under the outcome "its whole
+    main path accepted": the drafter holds the path, the tree's root is the path's last token,
+    its first level the bonus tokens hypothesised, each with the next step's tree below it."""
+
+    model: str
+    path: list[int]
+    task: asyncio.Task  # -> _Sourced, or None when the call failed
+    came_true: bool | None = None  # the path accepted (None: the outcome is not known yet)
+    bonus: int = -1
 
 
 class _DrafterSync:
@@ -70,11 +87,13 @@ class DraftStage:
     """One request's draft sources and what each holds of it. `context()`: the request's
     tokens so far (prompt, then generated).
 
-    Pre-speculation (drafting the next step's tree under a hypothesised outcome of the step
-    being verified) plugs in here: `verifying` is told of each tree as it goes to the verifier,
-    `advance` of the outcome, and `draft` would return the tree drafted ahead when the outcome
-    came true. Today only the verifier's heads draft ahead (the next step's tree comes with
-    each result)."""
+    Pre-speculation (`speculation.prespeculate`): when a step's tree goes to the verifier
+    (`verifying`), its draft model drafts the next tree at once under the outcome "the whole
+    main path accepted" (one hypothesis per request, keyed by the accepted count, the path,
+    and the bonus token, its root's children). `advance` learns the outcome; the next `draft`
+    takes the hypothesis's subtree below the real bonus when it came true (a hit), else drafts
+    as before, the drafter rolling back what it committed ahead (`DraftItem.context_len`).
+    The verifier's heads draft ahead too (the next step's tree comes with each result)."""
 
     def __init__(self, services: LoopServices, request_id: str,
                  context: Callable[[], list[int]],
@@ -89,6 +108,8 @@ class DraftStage:
         # the verifier heads' tree for the next step (drafted with the last result), its time
         self.heads_tree: common_pb2.TokenTree | None = None
         self.heads_seconds = 0.0
+        self.ahead: _Ahead | None = None
+        self.depth = 0  # the depth the last model draft asked for
 
     def warm(self, arm: DraftArm) -> None:
         """Starts the prefill of the arm's drafter models that do not hold the request yet."""
@@ -117,26 +138,51 @@ class DraftStage:
         if sizing.shared.adaptive and len(tree) > budget:
             tree = sizing.profile.prune(tree, budget)  # the nodes worth most
         return Drafted(tree.to_pb(), sum(part.seconds for part in found),
-                       max(part.switch_seconds for part in found), vote)
+                       max(part.switch_seconds for part in found), vote,
+                       max(part.prespeculated for part in found))
 
-    def verifying(self, drafted: Drafted) -> None:
-        """The step's tree goes to the verifier: where a pre-speculating stage would start
-        drafting the next tree under the outcome it hypothesises. Nothing is drafted ahead."""
+    def verifying(self, drafted: Drafted, arm: DraftArm | None) -> None:
+        """The step's tree goes to the verifier: with pre-speculation, the arm's draft model
+        drafts the next tree under "the whole main path accepted" meanwhile."""
+        name = arm.one_model if arm is not None else None
+        sync = self.syncs.get(name) if name is not None else None
+        if (not self.services.speculation.prespeculate or sync is None
+                or sync.prefill_task is not None or self.ahead is not None):
+            return
+        path = _best_path(drafted.tree)
+        if not path:
+            return
+        # the tokens it was not told yet, then the path; one level more (its first: the bonus
+        # token's), within the drafter's 64
+        item = self._draft_item(name, sync.new_tokens + path, min(self.depth + 1, 64),
+                                context_len=len(self.context()) - len(sync.new_tokens))
+        sync.new_tokens = []
+        self.ahead = _Ahead(name, path, asyncio.create_task(self._submit(item)))
 
     def advance(self, result: pool_pb2.VerifyResult, emitted: list[int]) -> None:
         """The step's outcome: the sources are told the emitted tokens (accepted + bonus) at
-        their next call, and the heads' tree for the next step is kept."""
+        their next call, and the heads' tree for the next step is kept. A drafter that drafted
+        ahead holds the main path: told only the bonus when the path was accepted."""
         self.heads_tree = result.heads_tree if result.HasField("heads_tree") else None
         self.heads_seconds = result.heads_seconds
-        for sync in self.syncs.values():
-            sync.new_tokens.extend(emitted)
+        ahead = self.ahead
+        held = 0  # tokens of `emitted` the drafter that drafted ahead already holds
+        if ahead is not None and ahead.came_true is None:
+            ahead.came_true = list(result.accepted) == ahead.path
+            ahead.bonus = result.bonus
+            held = len(ahead.path) if ahead.came_true else 0
+        model = ahead.model if ahead is not None else None
+        for name, sync in self.syncs.items():
+            sync.new_tokens.extend(emitted[held:] if name == model else emitted)
         self.lookup_tokens.extend(emitted)
 
     def close(self) -> None:
-        """Cancels the drafters' prefills of the request still in flight."""
+        """Cancels the drafters' prefills of the request still in flight, and a draft ahead."""
         for sync in self.syncs.values():
             if sync.prefill_task is not None and not sync.prefill_task.done():
                 sync.prefill_task.cancel()
+        if self.ahead is not None:
+            self.ahead.task.cancel()
 
     def _voted(self, vote: Vote, sizing: RequestSizing) -> TokenTree:
         """The voted path; the union when the cost model says its extra nodes are cheap."""
@@ -158,11 +204,44 @@ class DraftStage:
             request.target_vocab_size = self.services.target.vocab_size
         return request
 
-    def _draft_item(self, name: str, new_tokens: list[int], depth: int) -> drafter_pb2.DraftItem:
+    def _draft_item(self, name: str, new_tokens: list[int], depth: int,
+                    context_len: int | None = None) -> drafter_pb2.DraftItem:
+        """`context_len`: the request's tokens the new ones follow (default: the context
+        without them; drafting ahead, without those not emitted yet either)."""
         spec = self.services.speculation
+        if context_len is None:
+            context_len = len(self.context()) - len(new_tokens)
         return drafter_pb2.DraftItem(request_id=self.request_id, drafter=name,
                                      new_tokens=new_tokens, depth=depth, width=spec.width,
-                                     min_probability=spec.min_probability)
+                                     min_probability=spec.min_probability,
+                                     context_len=context_len)
+
+    async def _submit(self, item: drafter_pb2.DraftItem) -> _Sourced | None:
+        """A tree drafted ahead (None when the call failed: the drafter is then re-prefilled
+        before its next call)."""
+        try:
+            tree, seconds = await self.services.drafts.submit_timed(
+                item, self.services.step_timeout_s, alone=len(self.services.batch) == 1)
+            return _Sourced(tree, seconds)
+        except (grpc.RpcError, asyncio.TimeoutError) as err:
+            log.warning("drafting ahead for %s failed: %s", self.request_id, _describe(err))
+            return None
+
+    async def _settle_ahead(self, name: str) -> tuple[_Sourced | None, _Ahead | None]:
+        """Waits for the model's tree drafted ahead (the drafter takes calls in order) and
+        forgets it; returns it with its hypothesis, or (None, None) when there is none. A
+        failed one leaves the drafter re-prefilling."""
+        ahead = self.ahead
+        if ahead is None or ahead.model != name:
+            return None, None
+        self.ahead = None
+        try:
+            sourced = await ahead.task
+        except asyncio.CancelledError:
+            sourced = None
+        if sourced is None:
+            self._prefill(name)
+        return sourced, ahead
 
     async def _prefill_drafter(self, name: str, tokens: list[int]) -> bool:
         try:
@@ -176,6 +255,15 @@ class DraftStage:
     async def _draft_model(self, name: str, budget: int, sizing: RequestSizing) -> _Sourced:
         if name == HEADS:  # drafted by the verifier with the last result
             return _Sourced(self.heads_tree or common_pb2.TokenTree(), self.heads_seconds)
+        ahead, hypothesis = await self._settle_ahead(name)
+        if ahead is not None and hypothesis.came_true:
+            tree = TokenTree.from_pb(ahead.tree)
+            below = next((i for i, (t, p) in enumerate(zip(tree.tokens, tree.parents))
+                          if p < 0 and t == hypothesis.bonus), None)
+            below = tree.subtree(below) if below is not None else TokenTree()
+            if len(below):  # the outcome drafted ahead came true: its next tree
+                return _Sourced(below.to_pb(), ahead.seconds, 0.0, "hit")
+        missed = "miss" if hypothesis is not None else ""
         sync, switch = self.syncs[name], 0.0
         if sync.prefill_task is not None:
             waited = time.perf_counter()
@@ -184,10 +272,10 @@ class DraftStage:
             sync.prefill_task = None
             if not ok:  # retry with the whole context next step
                 self._prefill(name)
-                return _Sourced(common_pb2.TokenTree(), 0.0, switch)
+                return _Sourced(common_pb2.TokenTree(), 0.0, switch, missed)
         spec = self.services.speculation
         # a budget below the depth needs no deeper draft (wider trees are pruned afterwards)
-        depth = min(spec.depth, budget) if sizing.shared.adaptive else spec.depth
+        depth = self.depth = min(spec.depth, budget) if sizing.shared.adaptive else spec.depth
         try:
             tree, seconds = await self.services.drafts.submit_timed(
                 self._draft_item(name, sync.new_tokens, depth), self.services.step_timeout_s,
@@ -196,9 +284,9 @@ class DraftStage:
             log.warning("drafting for %s failed (%s): this step runs without a tree",
                         self.request_id, _describe(err))
             self._prefill(name)  # re-prefilled with the whole context
-            return _Sourced(common_pb2.TokenTree(), 0.0, switch)
+            return _Sourced(common_pb2.TokenTree(), 0.0, switch, missed)
         sync.new_tokens = []
-        return _Sourced(tree, seconds, switch)
+        return _Sourced(tree, seconds, switch, missed)
 
     # the datastore ----------------------------------------------------------------------------
     async def _lookup(self, budget: int, sizing: RequestSizing) -> _Sourced:

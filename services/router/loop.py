@@ -195,6 +195,9 @@ class RequestLoop:
                     "specmesh.step": plan.step, "specmesh.budget": budget}):
                 await self.services.wait_for_room()
                 drafted = await self.drafting.draft(plan.arm, budget, self.sizing(plan.arm.name))
+                if drafted.prespeculated:
+                    trace.get_current_span().set_attribute("specmesh.prespeculated",
+                                                           drafted.prespeculated)
         else:
             drafted = Drafted()
         self.services.batch.plan(self.request_id, len(drafted.tree),
@@ -206,7 +209,7 @@ class RequestLoop:
         choice = plan.choice
         with tracer.start_as_current_span("router.verify", attributes={"specmesh.step": plan.step}):
             heads_nodes = self._heads_nodes(choice)
-            self.drafting.verifying(drafted)
+            self.drafting.verifying(drafted, plan.arm)
             return await self.services.verify(
                 self.request_id, plan.step, len(self.generated), drafted.pb,
                 {"specmesh.arm": plan.arm_name, "specmesh.budget": choice.budget,
@@ -223,9 +226,11 @@ class RequestLoop:
         verified = (VerifyStep(result.verify_seconds, result.batch_rows, result.batch_trees,
                                result.batch_nodes, result.verifier)
                     if result.batch_trees else None)
-        self.decisions.append(self.sizing(arm or FIXED_ARM).observe(
+        decision = self.sizing(arm or FIXED_ARM).observe(
             plan.step, choice, tree, emitted, seconds, plan.in_flight, drafted.drafters, arm,
-            verified, drafted.seconds, drafted.switch_seconds))
+            verified, drafted.seconds, drafted.switch_seconds)
+        decision.prespeculation = drafted.prespeculated
+        self.decisions.append(decision)
         selection = self.services.selection
         if plan.arm is not None and selection is not None:
             # SPIN's goodput is the drafter's rate; the switch is a cost of its own (LBSS)
