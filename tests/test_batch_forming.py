@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 from specmesh_services.common.config import VerifierSettings
 from specmesh_services.common.pool.memory import MemoryPool
+from specmesh_services.verifier.cost import VerifyCostModel
 from specmesh_services.verifier.worker import VerifierWorker
 from specmesh.v1 import pool_pb2
 
@@ -66,3 +67,32 @@ def test_the_wait_is_bounded_and_a_lone_request_never_waits():
     assert len(alone) == 1 and alone_s < 0.02
     assert len(bounded) == 1 and 0.04 < bounded_s < 0.5, "waited batch_wait_s for 'gone'"
     assert never_s < 0.02
+
+
+def test_measured_policy_waits_only_for_trees_due_within_a_steps_fixed_cost():
+    """Default policy: a missing tree is waited for when it is expected (last result + measured
+    turnaround) within the step's fixed cost, the verify-cost model's intercept (0.2 s here)."""
+    cost = VerifyCostModel()
+    for rows in range(1, 11):
+        cost.observe(rows, 100 * rows, 1, 0.2 + 0.01 * rows)
+
+    async def run(turnaround: float) -> tuple[int, float]:
+        pool = MemoryPool()
+        w = VerifierWorker(SimpleNamespace(name="verifier-test", cost=cost), pool,
+                           executor=None, settings=VerifierSettings(batch_size=8))
+        now = time.monotonic()
+        w._serving.update({"a": now, "b": now})
+        w._turnaround_s = turnaround
+        await submit(pool, "a")
+        batch = await pool.take(w.name, 8, 0.1)
+        late = asyncio.create_task(submit(pool, "b", 0.05))
+        start = time.perf_counter()
+        batch = await w._fill(batch)
+        waited = time.perf_counter() - start
+        await late
+        return len(batch), waited
+
+    joined, waited = asyncio.run(run(turnaround=0.05))
+    assert joined == 2 and waited < 0.2, "due within the fixed cost: waited for it"
+    alone, waited = asyncio.run(run(turnaround=1.0))
+    assert alone == 1 and waited < 0.04, "due after the fixed cost: stepped at once"

@@ -8,12 +8,14 @@ Entries the engine defers (token or KV budget) stay in a local backlog for the n
 requests join and leave between steps and nothing is dropped. Follows the release feed to drop
 finished requests' caches.
 
-Batch forming: while fewer trees are in hand than requests this verifier is serving (requests
-it returned a result to recently and that are not released), it waits up to `batch_wait_s`
-(default: half its mean step time) for theirs: stepping at once splits the batch into small
-steps that each cost nearly a full one (docs/decisions/verifier-batch-forming.md). The compute
-thread drafts for them meanwhile, so the wait is the pipeline's drafting time, not idle time.
-One request in flight never waits.
+Batch forming (continuous verification): a step starts with the trees in hand unless waiting
+for a missing one pays. A request served recently (a result returned, not released) whose tree
+is not in hand is expected back at its last result's time plus its measured turnaround (result
+out to next tree in); stepping without it costs it a step of its own later, i.e. the step's
+fixed cost (the verify-cost model's intercept) once more. So the worker waits only for trees
+expected within that fixed cost (docs/decisions/verifier-batch-forming.md); until the cost
+model and a turnaround are measured, up to half its mean step. `batch_wait_s` fixes the wait
+instead (0 = never). One request in flight never waits.
 """
 from __future__ import annotations
 
@@ -52,6 +54,8 @@ class VerifierWorker:
         self._step_s = 0.0  # EMA of step seconds (batch waiting's default)
         self.batch_waits = 0
         self._waited_s = 0.0  # the last `_fill`'s wait for more trees
+        self._turnaround: dict[str, float] = {}  # request -> EMA of result out to next tree in
+        self._turnaround_s = 0.0  # EMA over all requests (for requests not measured yet)
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._verify_loop(), name=f"{self.name}-verify"),
@@ -82,6 +86,7 @@ class VerifierWorker:
                     next_claim = time.monotonic() + self.settings.claim_idle_s / 2
                 if not fresh:
                     fresh = await self.pool.take(self.name, count, block_s=wait)
+                self._arrived(fresh)
                 batch = await self._fill(backlog + fresh)
                 started = time.perf_counter()
                 backlog = await self.step(batch)
@@ -98,9 +103,37 @@ class VerifierWorker:
                 backlog = []
                 await asyncio.sleep(0.5)
 
-    def _wait_s(self) -> float:
+    def _arrived(self, taken: list[Taken]) -> None:
+        """Measures the turnaround of requests whose next tree just came in."""
+        now = time.monotonic()
+        for t in taken:
+            served = self._serving.get(t.entry.request_id)
+            if served is None:
+                continue
+            seconds = now - served
+            old = self._turnaround.get(t.entry.request_id)
+            self._turnaround[t.entry.request_id] = seconds if old is None else \
+                0.7 * old + 0.3 * seconds
+            self._turnaround_s = seconds if not self._turnaround_s else \
+                0.9 * self._turnaround_s + 0.1 * seconds
+
+    def _wait_s(self, batch: list[Taken]) -> float:
+        """How long to wait for the missing trees (module docstring)."""
         wait = self.settings.batch_wait_s
-        return 0.5 * self._step_s if wait is None else wait
+        if wait is not None:
+            return wait
+        cost = getattr(self.engine, "cost", None)
+        fit = cost.fit() if cost is not None else None
+        if fit is None or not self._turnaround_s:
+            return 0.5 * self._step_s  # not measured yet
+        held = {t.entry.request_id for t in batch}
+        now = time.monotonic()
+        saving = max(fit.intercept_s, 0.0)
+        due = [served + self._turnaround.get(rid, self._turnaround_s) - now
+               for rid, served in self._serving.items() if rid not in held]
+        spread = 0.25 * self._turnaround_s  # turnarounds vary: a little late is still due
+        worth = [d for d in due if -self._turnaround_s <= d <= saving]
+        return min(max(max(worth), 0.0) + spread, saving) if worth else 0.0
 
     def _expected(self, batch: list[Taken]) -> int:
         """Trees a full batch would hold now: the ones in hand plus one per other request
@@ -109,6 +142,7 @@ class VerifierWorker:
         horizon = max(20 * self._step_s, 1.0)
         for rid in [r for r, t in self._serving.items() if now - t > horizon]:
             del self._serving[rid]  # went quiet (another verifier took it, or it hangs)
+            self._turnaround.pop(rid, None)
         held = {t.entry.request_id for t in batch}
         return len(held) + sum(1 for r in self._serving if r not in held)
 
@@ -118,7 +152,7 @@ class VerifierWorker:
         if not batch:
             return batch
         start = time.monotonic()
-        deadline = start + self._wait_s()
+        deadline = start + self._wait_s(batch)
         waited = False
         while True:
             want = min(self._expected(batch), self.settings.batch_size) - len(batch)
@@ -129,6 +163,7 @@ class VerifierWorker:
             more = await self.pool.take(self.name, want, block_s=left)
             if not more:
                 break
+            self._arrived(more)
             batch = batch + more
         self.batch_waits += waited
         self._waited_s = time.monotonic() - start if waited else 0.0
@@ -141,6 +176,7 @@ class VerifierWorker:
                 cursor, ids = await self.pool.releases(cursor, block_s=1.0)
                 for request_id in ids:  # on the compute thread: never under a running step
                     self._serving.pop(request_id, None)
+                    self._turnaround.pop(request_id, None)
                     await self._run(self.engine.release, request_id)
             except asyncio.CancelledError:
                 raise
