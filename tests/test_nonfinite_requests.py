@@ -31,7 +31,8 @@ MAX_TOKENS = 4
 SERVICES = [gateway_pb2, router_pb2, drafter_pb2, datastore_pb2, verifier_pb2]
 # every float field reachable from a request message, and who validates it
 VALIDATED = {f"{message}.sampling.{name}" for message in ("GenerateRequest", "RouteRequest")
-             for name in FLOAT_FIELDS} | {"DraftBatchRequest.items.min_probability"}
+             for name in FLOAT_FIELDS} | {"DraftBatchRequest.items.min_probability"} | {
+    f"DraftPrefillRequest.sampling.{name}" for name in FLOAT_FIELDS}
 
 
 def _float_fields(message, prefix: str) -> set[str]:
@@ -187,3 +188,18 @@ def test_drafter_refuses_non_finite_then_drafts(mesh_port, value):
         response = stub.Draft(drafter_pb2.DraftBatchRequest(items=[item]), timeout=60)
         assert len(response.trees[0].tokens) == 2
         stub.Release(drafter_pb2.DraftReleaseRequest(request_ids=["r"]), timeout=60)
+
+
+@pytest.mark.parametrize("value", BAD.values(), ids=BAD.keys())
+def test_drafter_prefill_refuses_non_finite_sampling(mesh_port, value):
+    """A sampled prefill's parameters (coupled drafting) are checked like the gateway's."""
+    with grpc.insecure_channel(f"127.0.0.1:{mesh_port}") as channel:
+        stub = drafter_pb2_grpc.DrafterStub(channel)
+        request = drafter_pb2.DraftPrefillRequest(
+            request_id="r", token_ids=[1, 2, 3], target_vocab_size=100,
+            sampling=common_pb2.SamplingParams(temperature=value, seed=1))
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Prefill(request, timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "temperature must be a finite number" in err.value.details()
+

@@ -49,9 +49,9 @@ class Coupling:
     def of(cls, params: SamplingParams, width: int) -> "Coupling | None":
         """The coupling of a request sampled with `params` (None: greedy or unseeded, the
         draft's likeliest tokens are drafted)."""
+        params.validate()
         if params.greedy or params.seed is None:
             return None
-        params.validate()
         if width < 1:
             raise ValueError("a sampled request needs the target's vocab size "
                              "(target_vocab_size) to draw the target's random numbers")
