@@ -6,7 +6,8 @@ defaults ("default") and off ("mesh-plain", depth 0), as bench.step_time runs th
 The mesh runs embedded as bench.step_time runs it (bench.router's `run_mesh`, its prompts, the
 services' spans kept in memory, the compute thread's jobs timed). The timed window is the first
 timed prompt to the last answer. Per request step (a record in the JSON):
-  - draft: its `router.draft` span (none for a step that drafts no tree);
+  - draft: its `router.draft` span (none for a step that drafts no tree), and with
+    pre-speculation the `router.draft_ahead` span of the next tree drafted while it is verified;
   - queue: from its tree entering the pool (`router.submit`'s start) to the start of the engine
     step that verified it; the `verifier.verify` span parented on that submit (else the one with
     the same `specmesh.request_id` and `specmesh.step`) names the step (`specmesh.verifier_step`)
@@ -18,7 +19,7 @@ timed prompt to the last answer. Per request step (a record in the JSON):
 Per run:
   - verifier idle: the share of the window in which no verifier step (verifier-step job) runs;
   - drafting on the critical path: the share of drafting time (each request's `router.draft`
-    spans, their union) during which the request has no tree in the pool or in verification
+    and `router.draft_ahead` spans, their union) during which the request has no tree in the pool or in verification
     (outside its steps' round trips, `router.submit`'s start to `router.verify`'s end): drafting
     the request waited for. A loop that drafts, then verifies, then drafts has all of it there;
     drafting a step ahead while the previous tree is verified (pre-speculation hits) lowers it;
@@ -151,6 +152,8 @@ def step_records(spans: list[ReadableSpan], jobs, window: Interval
     drafts = {(_parent(s), s.attributes.get("specmesh.step")): s for s in spans
               if s.name == "router.draft"}
     submits = {_parent(s): s for s in spans if s.name == "router.submit"}
+    # pre-speculation: the next tree drafted while this step's is verified
+    aheads = {_parent(s): s for s in spans if s.name == "router.draft_ahead"}
     verified = [s for s in spans if s.name == "verifier.verify"
                 and "specmesh.verifier_step" in s.attributes
                 and not s.attributes.get("specmesh.deferred")]
@@ -169,9 +172,11 @@ def step_records(spans: list[ReadableSpan], jobs, window: Interval
         entered = submit.start_time if submit is not None else v.start_time
         flag = next((str(s.attributes[PRESPECULATED]) for s in (draft, v)
                      if s is not None and PRESPECULATED in s.attributes), "none")
+        ahead = aheads.get(v.context.span_id)
         records.append({
             "request": ordinal[request], "request_id": rid[request], "step": step,
             "draft": [at(draft.start_time), at(draft.end_time)] if draft else None,
+            "ahead": [at(ahead.start_time), at(ahead.end_time)] if ahead else None,
             "submit": at(entered),
             "queue_s": round((interval[0] - entered) / 1e9, 6) if interval else None,
             "verify": [at(interval[0]), at(interval[1])] if interval else None,
@@ -193,8 +198,9 @@ def summarize(records: list[dict], busy: list, wall_s: float) -> dict:
     drafts: dict = {}
     in_flight: dict = {}
     for r in records:
-        if r["draft"]:
-            drafts.setdefault(r["request"], []).append(tuple(r["draft"]))
+        for key in ("draft", "ahead"):  # drafting ahead is drafting too (hidden when it works)
+            if r.get(key):
+                drafts.setdefault(r["request"], []).append(tuple(r[key]))
         in_flight.setdefault(r["request"], []).append((r["submit"], r["returned"]))
     flags = [r["prespeculated"] for r in records]
 
@@ -235,8 +241,8 @@ def plot(records: list[dict], busy: list, window_s: float, title: str, path: Pat
     ax.broken_barh(steps, (-0.4, 0.8), facecolors=["0.3", "0.6"] * len(steps))
     for y, request in enumerate(lanes, 1):
         mine = [r for r in shown if r["request"] == request]
-        bars = {"draft": [(r["draft"][0], r["draft"][1] - r["draft"][0]) for r in mine
-                          if r["draft"]],
+        bars = {"draft": [(r[k][0], r[k][1] - r[k][0]) for r in mine for k in ("draft", "ahead")
+                          if r.get(k)],
                 "queue": [(r["submit"], r["verify"][0] - r["submit"]) for r in mine
                           if r["verify"]],
                 "verify": [(r["verify"][0], r["verify"][1] - r["verify"][0]) for r in mine

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import grpc
 
+from specmesh_services.common import telemetry
 from specmesh_services.common.drafts import HEADS
 from specmesh_services.common.tree import TokenTree
 from specmesh_services.router.arms import DATASTORE_ARM, DraftArm
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from specmesh_services.router.loop import LoopServices
 
 log = logging.getLogger(__name__)
+tracer = telemetry.tracer(__name__)
 
 
 @dataclass
@@ -220,8 +222,11 @@ class DraftStage:
         """A tree drafted ahead (None when the call failed: the drafter is then re-prefilled
         before its next call)."""
         try:
-            tree, seconds = await self.services.drafts.submit_timed(
-                item, self.services.step_timeout_s, alone=len(self.services.batch) == 1)
+            # a child of the step's router.verify span: drafting while its tree is verified
+            with tracer.start_as_current_span("router.draft_ahead", attributes={
+                    "specmesh.depth": item.depth, "specmesh.path": len(item.new_tokens)}):
+                tree, seconds = await self.services.drafts.submit_timed(
+                    item, self.services.step_timeout_s, alone=len(self.services.batch) == 1)
             return _Sourced(tree, seconds)
         except (grpc.RpcError, asyncio.TimeoutError) as err:
             log.warning("drafting ahead for %s failed: %s", self.request_id, _describe(err))
