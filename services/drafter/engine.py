@@ -114,6 +114,7 @@ class DraftModel:
         # token id of each logit column where the forward returns the draft vocabulary only
         ids = getattr(lm, "token_ids", None)
         self.column_tokens: list[int] | None = None if ids is None else ids.tolist()
+        self._column_ids = None if ids is None else torch.as_tensor(self.column_tokens)
 
     def measure(self, context: int = 32, depth: int = 4, reps: int = 3) -> float:
         """Times drafting forwards of one request over a short context (a warm-up draft, then
@@ -321,8 +322,8 @@ class DraftModel:
     def _columns(self, weights: torch.Tensor) -> torch.Tensor:
         """The race weights of this draft's logit columns (by the token id of each; ids the
         target lacks never win)."""
-        if self.column_tokens is not None:
-            return weights[torch.as_tensor(self.column_tokens)]
+        if self._column_ids is not None:
+            return weights[self._column_ids]
         size = self.lm.vocab_size
         if size <= weights.numel():
             return weights[:size]
