@@ -260,14 +260,14 @@ class DraftStage:
     async def _draft_model(self, name: str, budget: int, sizing: RequestSizing) -> _Sourced:
         if name == HEADS:  # drafted by the verifier with the last result
             return _Sourced(self.heads_tree or common_pb2.TokenTree(), self.heads_seconds)
-        ahead, hypothesis = await self._settle_ahead(name)
-        if ahead is not None and hypothesis.came_true:
-            tree = TokenTree.from_pb(ahead.tree)
+        sourced, hypothesis = await self._settle_ahead(name)
+        if sourced is not None and hypothesis.came_true:
+            tree = TokenTree.from_pb(sourced.tree)
             below = next((i for i, (t, p) in enumerate(zip(tree.tokens, tree.parents))
                           if p < 0 and t == hypothesis.bonus), None)
             below = tree.subtree(below) if below is not None else TokenTree()
             if len(below):  # the outcome drafted ahead came true: its next tree
-                return _Sourced(below.to_pb(), ahead.seconds, 0.0, "hit")
+                return _Sourced(below.to_pb(), sourced.seconds, 0.0, "hit")
         missed = "miss" if hypothesis is not None else ""
         sync, switch = self.syncs[name], 0.0
         if sync.prefill_task is not None:
