@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from specmesh_gateway.requests import ServedModel
 from specmesh_gateway.servicer import GatewayServicer
-from specmesh_services.common import models, serving
+from specmesh_services.common import cores, models, serving
 from specmesh_services.common.config import Settings
 from specmesh_services.common.drafts import router_drafters, serves_drafter
 from specmesh_services.common.pool import MemoryPool
@@ -49,32 +49,47 @@ class EmbeddedMesh:
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def start(cls, settings: Settings, executor: Executor | None = None
-                    ) -> AsyncIterator["EmbeddedMesh"]:
-        """Loads the models and starts the roles. All model work runs on `executor` (default: a
-        new single-thread one): drafter and verifier take the cores in turn. Pass the thread
-        other torch work of this process runs on: each thread that runs torch ops gets its own
-        OpenMP team, and two teams on the same cores slow small ops down by up to 2x."""
+    async def start(cls, settings: Settings, executor: Executor | None = None,
+                    draft_executor: Executor | None = None) -> AsyncIterator["EmbeddedMesh"]:
+        """Loads the models and starts the roles. With `cores` shared, all model work runs on
+        `executor` (default: a new single-thread one): drafter and verifier take the cores in
+        turn. Pass the thread other torch work of this process runs on: each thread that runs
+        torch ops gets its own OpenMP team, and two teams on the same cores slow small ops down
+        by up to 2x. With `cores` split, the verifier's work runs on `executor` pinned to the
+        verifier's cores and the drafting roles' on `draft_executor` (default: a new thread)
+        pinned to theirs; threads passed in get their cores back when the mesh stops."""
         settings = models.served(settings)
-        owned = executor is None
-        executor = executor or serving.compute_executor()
+        placement = cores.plan(settings.cores, settings.drafter_cores)
+        owned = []
+        if executor is None:
+            executor = serving.compute_executor()
+            owned.append(executor)
+        if not placement.split:
+            draft_executor = executor
+        elif draft_executor is None:
+            draft_executor = serving.compute_executor(role="drafter")
+            owned.append(draft_executor)
+        pinned = []
+        if placement.split:
+            pinned = [(e, cores.pin_executor(e, placement.cpus(role), placement.threads(role)))
+                      for e, role in ((executor, "verifier"), (draft_executor, "drafter"))]
         loop = asyncio.get_running_loop()
         path = await loop.run_in_executor(executor, models.resolve, settings.model,
                                           settings.cache_dir)
         tokenizer = models.load_tokenizer(path)
         target = await loop.run_in_executor(executor, load_target, settings)
         use_model = serves_drafter(settings)
-        drafts = (await loop.run_in_executor(executor, build_draft_models, settings)
+        drafts = (await loop.run_in_executor(draft_executor, build_draft_models, settings)
                   if use_model else [])
         datastore = None
         if settings.speculation.source != "model":
             store = open_for_target(settings, tokenizer)
-            datastore = DatastoreServicer(LookupEngine(store, settings.datastore), executor)
+            datastore = DatastoreServicer(LookupEngine(store, settings.datastore), draft_executor)
         pool = MemoryPool()
         engine = await loop.run_in_executor(executor, build_engine, target, settings,
                                             "verifier-embedded")
         worker = VerifierWorker(engine, pool, executor, settings.verifier)
-        drafter = DrafterServicer(drafts, executor) if use_model else None
+        drafter = DrafterServicer(drafts, draft_executor) if use_model else None
         info = TargetInfo(settings.model, target.vocab_size, target.context_length,
                           tuple(models.eos_token_ids(path, tokenizer)))
         first, names = router_drafters(settings,
@@ -94,8 +109,11 @@ class EmbeddedMesh:
         finally:
             await router.stop()
             await worker.stop()
-            if owned:
-                executor.shutdown(wait=False, cancel_futures=True)
+            for e in owned:
+                e.shutdown(wait=False, cancel_futures=True)
+            for e, before in pinned:
+                if e not in owned:
+                    cores.pin_executor(e, *before)
 
     async def generate(self, **kwargs) -> gateway_pb2.GenerateResponse:
         """Same keyword arguments as the SDK's build_request (prompt= or messages=, ...)."""

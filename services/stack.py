@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specmesh_services.common import models
+from specmesh_services.common import cores, models
 from specmesh_services.common.config import Settings
 from specmesh_services.common.drafts import model_specs, serves_drafter
 from specmesh_services.common.procs import free_port, orphan_guard, pid_alive
@@ -34,15 +34,6 @@ STOP_TIMEOUT_S = 30.0  # the supervisor's own stop takes at most ~20 s (15 s for
 
 def state_path(settings: Settings) -> Path:
     return settings.stack_dir / "stack.json"
-
-
-def compute_threads(role: str) -> int:
-    """Torch threads of a role when every service shares this machine's cores: the verifier
-    (the critical path) gets them all, the drafter half, the others one. Uncapped, the drafter's
-    and the verifier's OpenMP teams oversubscribe the cores and spin at barriers: 4 requests in
-    flight ran at 5.8 tok/s instead of 12.5 (bf16 SmolLM2, 2 cores)."""
-    cores = len(os.sched_getaffinity(0))
-    return {"verifier": cores, "drafter": max(1, cores // 2)}.get(role, 1)
 
 
 def settings_env(settings: Settings) -> dict[str, str]:
@@ -107,7 +98,8 @@ class Stack:
     def spawn(self, role: str, port: int, settings: Settings) -> Child:
         env = {**os.environ, **settings_env(settings.with_overrides(port=port))}
         if "OMP_NUM_THREADS" not in os.environ:
-            env["OMP_NUM_THREADS"] = str(compute_threads(role))
+            placement = cores.plan(settings.cores, settings.drafter_cores)
+            env["OMP_NUM_THREADS"] = str(placement.threads(role))
         log = self.log_dir / f"{role}.log"
         out = open(log, "w")
         command = [*orphan_guard(), sys.executable, "-m", "specmesh_services.cli", "serve", role]

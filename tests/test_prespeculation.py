@@ -64,13 +64,15 @@ def test_a_call_past_the_tokens_a_drafter_holds_is_refused(target_lm):
         model.draft_many([DraftJob("r", [4], DEPTH, 1, 0.0, 5)])
 
 
-@pytest.mark.parametrize("concurrency,draft", [(1, "layers:30"), (8, "layers:20")])
+@pytest.mark.parametrize("concurrency,draft,placement", [(1, "layers:30", "split"),
+                                                         (8, "layers:20", "shared")])
 def test_greedy_output_with_prespeculation_is_the_targets(base_settings, questions,
                                                           hf_greedy_reference, compute,
-                                                          concurrency, draft):
-    """The full-depth draft (the target itself) alone and a shallower one with 8 in flight:
-    trees drafted ahead are used (hits) or rolled back (misses); the output is the target's."""
-    settings = base_settings.with_overrides(drafters=[draft], **{
+                                                          concurrency, draft, placement):
+    """The full-depth draft (the target itself) alone, drafting on a core of its own beside
+    the verifier, and a shallower one with 8 in flight: trees drafted ahead are used (hits) or
+    rolled back (misses); the output is the target's."""
+    settings = base_settings.with_overrides(drafters=[draft], cores=placement, **{
         "speculation.depth": 3, "speculation.prespeculate": True,
         "verifier.batch_size": concurrency})
     gate = asyncio.Semaphore(concurrency)

@@ -10,15 +10,18 @@ claimed by a new one, dead drafting services leave only the heads drafting. The 
 run last.
 """
 import asyncio
+import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
 import redis
 
 from otlp import Collector
+from specmesh_services.common import cores
 from specmesh_services.common.procs import free_port
 from specmesh_services.stack import Stack
 from specmesh import AsyncClient, Client, InvalidRequest
@@ -38,7 +41,7 @@ def collector():
 @pytest.fixture(scope="module")
 def stack(base_settings, redis_server, collector, tmp_path_factory, small_datastore):
     settings = base_settings.with_overrides(
-        redis_url=redis_server.url, pool_prefix="test-stack",
+        redis_url=redis_server.url, pool_prefix="test-stack", cores="split",
         drafters=["layers:24", "heads"],
         **{"speculation.depth": 2, "speculation.width": 1, "verifier.claim_idle_s": 2.0,
            "speculation.source": "both", "speculation.max_nodes": 6,
@@ -188,6 +191,22 @@ def verifier_info(stack):
 def pool_keys(stack, kind):
     with redis.Redis.from_url(stack.settings.redis_url) as r:
         return r.keys(f"{stack.settings.pool_prefix}:{kind}:*")
+
+
+def thread_cores(pid: int) -> set[frozenset[int]]:
+    """The distinct core sets of a process's threads."""
+    return {frozenset(os.sched_getaffinity(int(task.name)))
+            for task in Path(f"/proc/{pid}/task").iterdir()}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_split_cores_pin_the_verifier_and_the_drafter_apart(stack):
+    """The compute thread (and its OpenMP team) of each model role on the role's own cores;
+    the other threads (gRPC, asyncio) free."""
+    plan, every = cores.plan("split"), frozenset(os.sched_getaffinity(0))
+    for role, own in (("verifier", plan.verifier), ("drafter", plan.drafting),
+                      ("datastore", plan.drafting)):
+        assert thread_cores(child(stack, role).process.pid) == {own, every}, role
 
 
 def test_drafter_reports_its_models_and_their_measured_cost(stack):

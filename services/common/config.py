@@ -207,6 +207,14 @@ class Settings(BaseSettings):
                             "transformers modules: services/common/lean.py); transformers = the "
                             "model's own forward with specmesh's attention function; auto = "
                             "lean where the architecture allows")
+    cores: Literal["auto", "shared", "split"] = Field(
+        "auto", description="CPU cores of the compute roles (`specmesh up`, `serve`, `run`): "
+                            "shared = verifier and drafters take turns on every core; split = "
+                            "the drafters (and datastore) get `drafter_cores` of their own so "
+                            "drafting runs beside verification; auto = the faster one measured "
+                            "for this host kind (docs/decisions/core-placement.md)")
+    drafter_cores: int = Field(0, ge=0, description="cores=split: cores of the drafting roles "
+                                                    "(0 = a third of the cores, at least one)")
     speculation: SpeculationSettings = Field(default_factory=SpeculationSettings)
     cache_dir: Path = Field(Path.home() / ".cache" / "specmesh", description="converted weights")
     run_dir: Path | None = Field(None, description="state and logs of `specmesh up` "

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from specmesh_services.common import telemetry
+from specmesh_services.common import cores, telemetry
 from specmesh_services.common.config import Settings
 from specmesh_services.common.rpc import start_server
 
@@ -22,10 +22,16 @@ def setup_logging(level: str) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def compute_executor() -> ThreadPoolExecutor:
+def compute_executor(settings: Settings | None = None, role: str = "") -> ThreadPoolExecutor:
     """One thread runs all model work of a process: torch already uses every core per op, and
-    per-request caches need no locking when a single thread touches them."""
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+    per-request caches need no locking when a single thread touches them. Given settings whose
+    `cores` split them, the thread is pinned to the role's cores."""
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"compute-{role}".rstrip("-"))
+    if settings is not None:
+        placement = cores.plan(settings.cores, settings.drafter_cores)
+        if placement.split:
+            cores.pin_executor(executor, placement.cpus(role), placement.threads(role))
+    return executor
 
 
 def compute_service(role: str, load: Callable[[Settings], object],
@@ -34,7 +40,7 @@ def compute_service(role: str, load: Callable[[Settings], object],
     """(start, main) of a service whose state (models, a datastore) is loaded by `load` on the
     compute thread and served by one servicer that runs its work on that same thread."""
     async def start(settings: Settings):
-        executor = compute_executor()
+        executor = compute_executor(settings, role)
         state = await asyncio.get_running_loop().run_in_executor(executor, load, settings)
         server, port = await start_server(
             [(add_to_server, make_servicer(state, executor), service_name)],

@@ -140,7 +140,7 @@ def load_pruner(settings: Settings):
 async def start(settings: Settings):
     if not settings.redis_url:
         raise SystemExit("the verifier service needs the pool: set --redis-url / SPECMESH_REDIS_URL")
-    executor = serving.compute_executor()
+    executor = serving.compute_executor(settings, "verifier")
     lm = await asyncio.get_running_loop().run_in_executor(executor, load_target, settings)
     pool = pool_mod.connect(settings.redis_url, settings.pool_prefix)
     engine = build_engine(lm, settings, settings.verifier.name or default_name())
