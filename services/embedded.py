@@ -98,7 +98,9 @@ class EmbeddedMesh:
                         settings.speculation, settings.router,
                         datastore=LocalStub(datastore) if datastore else None,
                         drafter_name=first, drafter_names=names,
-                        drafter_costs={m.name: m.level_seconds for m in drafts})
+                        drafter_costs={m.name: m.level_seconds for m in drafts},
+                        drafter_prefill={m.name: m.prefill_token_seconds for m in drafts},
+                        pipelined=placement.split)
         served = ServedModel(settings.model, tokenizer, target.context_length,
                              settings.max_tokens_default, settings.max_tokens_limit)
         gateway = LocalStub(GatewayServicer(LocalStub(RouterServicer(router)), served))

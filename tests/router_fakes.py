@@ -232,15 +232,19 @@ class Mesh:
     """A router over the fakes; `drafter` and `datastore` are built from the verifier."""
 
     def __init__(self, speculation: SpeculationSettings, drafter_names: list[str] | None = None,
-                 drafter: dict | None = None, datastore: dict | None = None) -> None:
+                 drafter: dict | None = None, datastore: dict | None = None,
+                 drafter_prefill: dict[str, float] | None = None,
+                 router: dict | None = None, pipelined: bool = False) -> None:
         self.pool = FakePool()
         self.verifier = ScriptedVerifier(self.pool)
         self.drafter = ScriptedDrafter(self.verifier, **(drafter or {}))
         self.datastore = ScriptedDatastore(self.verifier, **(datastore or {}))
         self.router = Router(
             self.pool, self.drafter, WordTokenizer(), TargetInfo("t", VOCAB, 4096, (EOS,)),
-            speculation, RouterSettings(step_timeout_s=5.0), datastore=self.datastore,
-            drafter_name=(drafter_names or [""])[0], drafter_names=drafter_names)
+            speculation, RouterSettings(**{"step_timeout_s": 5.0, **(router or {})}),
+            datastore=self.datastore,
+            drafter_name=(drafter_names or [""])[0], drafter_names=drafter_names,
+            drafter_prefill=drafter_prefill, pipelined=pipelined)
 
 
 @asynccontextmanager

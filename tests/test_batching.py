@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from specmesh_services.router.batching import MicroBatcher
+from specmesh_services.router.pipeline import micro_batches, split
 
 
 class FakeService:
@@ -47,6 +48,40 @@ def test_a_full_batch_is_sent_at_once():
         await asyncio.gather(*(submit(batcher, i) for i in range(5)))
         return service.requests
     assert asyncio.run(run()) == [[0, 1], [2, 3], [4]]
+
+
+def test_items_ready_together_go_out_in_micro_batches_in_order():
+    async def run():
+        service = FakeService()
+        batcher = MicroBatcher(service, list, max_items=64, parts=lambda n: 3 if n > 4 else 1)
+        answers = await asyncio.gather(*(submit(batcher, i) for i in range(7)))
+        return service.requests, answers
+    requests, answers = asyncio.run(run())
+    assert requests == [[0, 1, 2], [3, 4], [5, 6]] and answers == [10 * i for i in range(7)]
+
+
+def pass_seconds(intercept: float, per_row: float):
+    return lambda rows: intercept + per_row * rows
+
+
+@pytest.mark.parametrize("items,rows,cost,parts", [
+    (8, 5, None, 1),                            # nothing measured yet: whole
+    (1, 5, pass_seconds(0.05, 0.01), 1),        # nothing to split
+    (8, 5, pass_seconds(0.0, 0.01), 8),         # cost per row only: every split is free
+    (8, 5, pass_seconds(0.4, 0.01), 1),         # a large intercept: even two passes drop > 10%
+    (8, 5, pass_seconds(0.02, 0.01), 3),        # (0.42)/(m 0.02 + 0.4) >= 0.9 up to m = 3
+])
+def test_spins_heuristic_splits_while_throughput_holds(items, rows, cost, parts):
+    assert micro_batches(items, rows, cost) == parts
+    if cost is not None and parts > 1:  # brute force over the throughput of each split
+        whole = cost(items * rows)
+        holds = [m for m in range(2, items + 1) if whole / (m * cost(items * rows / m)) >= 0.9]
+        assert parts == max(holds)
+
+
+def test_split_keeps_the_order_and_puts_the_larger_runs_first():
+    assert split(list(range(7)), 3) == [[0, 1, 2], [3, 4], [5, 6]]
+    assert split([1, 2], 5) == [[1], [2]] and split([1, 2, 3], 1) == [[1, 2, 3]]
 
 
 def test_every_caller_gets_the_calls_error():

@@ -198,6 +198,7 @@ def test_measuring_the_drafting_cost_leaves_no_request_behind(draft, chat_prompt
     draft.draft("m", [before.tokens[0], 7], depth=0, width=1)
     held = set(draft.requests)
     assert draft.measure(context=16, depth=3, reps=2) == draft.level_seconds > 0
+    assert draft.prefill_token_seconds > 0
     assert set(draft.requests) == held
     state = draft.requests["m"]
     assert state.tokens == prompt + [before.tokens[0], 7]

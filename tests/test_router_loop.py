@@ -128,6 +128,47 @@ def test_concurrent_requests_share_batched_draft_calls():
     assert max(len(batch.items) for batch in mesh.datastore.batches) > 1
 
 
+def test_draft_items_ready_together_go_out_in_micro_batches():
+    """SPIN's pipeline: requests ready together draft in calls of at most 2 (2 micro-batches
+    fixed; 3 at once without), the output unchanged."""
+    prompts = [[i, i + 1, i + 2] for i in range(1, 13, 3)]
+    requests = [{"request_id": f"r{i}", "prompt": p, "max_tokens": 16}
+                for i, p in enumerate(prompts)]
+    for router, largest in (({"micro_batches": 2}, 2), ({}, 3)):
+        mesh = Mesh(speculation(), router=router)
+        results = run(mesh, *requests)
+        assert [tokens for tokens, _, _ in results] == [continuation(p, 16) for p in prompts]
+        assert max(len(batch.items) for batch in mesh.drafter.batches) == largest, router
+
+
+def test_the_heuristic_splits_by_the_measured_pass_cost_where_drafting_runs_beside():
+    for pipelined, intercept, parts in ((True, 0.0, 4), (True, 0.5, 1), (False, 0.0, 1)):
+        router = Mesh(speculation(), pipelined=pipelined).router
+        assert router.micro_batches(4) == 1  # nothing measured yet
+        for rows in (5, 10, 20):
+            router.verify_times.observe(rows, intercept + 0.01 * rows)
+        assert router.micro_batches(4) == parts, (pipelined, intercept)
+
+
+def test_the_selection_charges_a_move_the_drafters_prefill_of_the_whole_context():
+    """SPIN eq. 6: LBSS weighs a switch by the destination's measured prefill seconds per token
+    times the request's context, prompt and generated tokens."""
+    mesh = Mesh(speculation(selection="lbss", source="model", slot_s=0.001),
+                drafter_names=["a", "b"], drafter_prefill={"a": 0.002, "b": 0.03})
+    lbss = mesh.router.selection.lbss
+    assert [(d.name, d.switch_cost_per_token_s) for d in lbss.drafters] == [("a", 0.002),
+                                                                            ("b", 0.03)]
+    seen = []
+    assign = lbss.assign
+    lbss.assign = lambda ids, contexts, idle=None: (seen.append(dict(contexts)),
+                                                    assign(ids, contexts, idle))[1]
+    (tokens, _, _), = run(mesh, {"max_tokens": 24})
+    assert tokens == continuation(PROMPT, 24)
+    contexts = [c["r"] for c in seen]
+    assert contexts[0] == len(PROMPT) and contexts[-1] > len(PROMPT)
+    assert contexts == sorted(contexts) and contexts[-1] < len(PROMPT) + 24
+
+
 def test_voting_verifies_the_majority_path_and_credits_its_drafter():
     names = ["good", "also-good", "bad"]
     mesh = Mesh(speculation(voting=True), drafter_names=names,

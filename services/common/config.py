@@ -161,6 +161,11 @@ class RouterSettings(Section):
         "batch sizes summed; 0 = never)")
     draft_batch_max: int = Field(64, ge=1, description="micro-batching: most Draft/Lookup items "
                                                        "sent in one call")
+    micro_batches: int | None = Field(
+        None, ge=1, description="draft items ready together go out in this many calls in turn "
+        "(SPIN's micro-batch pipeline), so the verifier starts on the first while the drafter "
+        "drafts the next; default: SPIN's heuristic over the measured verify cost where the "
+        "drafters have cores of their own (cores=split), else 1")
 
 
 class Settings(BaseSettings):

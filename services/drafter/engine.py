@@ -111,6 +111,7 @@ class DraftModel:
         self.kind = kind  # "truncated" | "model"
         self.requests: dict[str, DraftState] = {}
         self.level_seconds = 0.0  # one drafting forward of one request (`measure`), 0 = unknown
+        self.prefill_token_seconds = 0.0  # prefill per context token (`measure`), 0 = unknown
         # token id of each logit column where the forward returns the draft vocabulary only
         ids = getattr(lm, "token_ids", None)
         self.column_tokens: list[int] | None = None if ids is None else ids.tolist()
@@ -119,16 +120,25 @@ class DraftModel:
     def measure(self, context: int = 32, depth: int = 4, reps: int = 3) -> float:
         """Times drafting forwards of one request over a short context (a warm-up draft, then
         the fastest of `reps` chains of `depth`): `level_seconds`, which routers take as this
-        model's drafting cost until they have timed their own drafts. Leaves no request behind."""
+        model's drafting cost until they have timed their own drafts; and the fastest of `reps`
+        prefills of 4 x `context` tokens: `prefill_token_seconds`, what moving a request here
+        costs per token of its context. Leaves no request behind."""
         request_id = f"__measure-{id(self)}"
         tokens = [t % self.lm.vocab_size for t in range(1, context + 1)]
         try:
             self.prefill(request_id, tokens)
             self.draft(request_id, [], depth, 1)  # warm-up: new shapes
             best = min(self.draft(request_id, [tokens[0]], depth, 1)[1] for _ in range(reps))
+            long = tokens * 4
+            prefill = []
+            for _ in range(reps):
+                start = time.perf_counter()
+                self.prefill(request_id, long)
+                prefill.append(time.perf_counter() - start)
         finally:
             self.release(request_id)
         self.level_seconds = best / depth
+        self.prefill_token_seconds = min(prefill) / len(long)
         return self.level_seconds
 
     def prefill(self, request_id: str, tokens: list[int], coupling: Coupling | None = None

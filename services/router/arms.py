@@ -32,6 +32,9 @@ class DraftArm:
     max_nodes: int = 0  # the largest tree a step can ask for (0: speculation off)
     depth: int = 0  # the configured tree depth
     level_seconds: float = 0.0  # one tree level of all its models (0: unknown or no model)
+    # prefilling a request on its models, per context token: the cost of moving a request here
+    # (SPIN's switching cost; 0: unknown, or nothing to prefill: the datastore, the heads)
+    prefill_token_seconds: float = 0.0
     capacity: int = 0  # requests it drafts for at once (the selection's capacity)
     # its tree is one draft model's chain under a confidence stop, which sizes itself
     self_sized: bool = False
@@ -80,13 +83,15 @@ class ArmSet:
 
     @classmethod
     def build(cls, spec: SpeculationSettings, drafter_name: str, drafter_names: Sequence[str],
-              drafter_costs: Mapping[str, float]) -> "ArmSet":
+              drafter_costs: Mapping[str, float],
+              drafter_prefill: Mapping[str, float] | None = None) -> "ArmSet":
         """`drafter_name`: the model a fixed selection drafts with; `drafter_names`: every
-        model drafter; `drafter_costs`: seconds of one drafting forward per model name."""
+        model drafter; `drafter_costs`: seconds of one drafting forward per model name;
+        `drafter_prefill`: seconds per context token of a prefill per model name."""
         drafts, lookup = spec.source != "datastore", spec.source != "model"
         models = tuple(drafter_names) if drafts else ()
         voting = spec.voting and spec.depth > 0
-        make = _ArmMaker(spec, drafter_costs)
+        make = _ArmMaker(spec, drafter_costs, drafter_prefill or {})
         configured = make(FIXED_ARM, (models if voting else (drafter_name,)) if drafts else (),
                           datastore=lookup, votes=voting, model_only=spec.source == "model")
         selectable = [make(DATASTORE_ARM, (), datastore=True, capacity=DATASTORE_CAPACITY)
@@ -103,9 +108,11 @@ class ArmSet:
 class _ArmMaker:
     """Derives an arm's tree limit, drafting cost and self-sizing from the settings."""
 
-    def __init__(self, spec: SpeculationSettings, costs: Mapping[str, float]) -> None:
+    def __init__(self, spec: SpeculationSettings, costs: Mapping[str, float],
+                 prefill: Mapping[str, float]) -> None:
         self.spec = spec
         self.costs = costs
+        self.prefill = prefill
         self.default = next(iter(costs), "")  # the drafter's first model
 
     def __call__(self, name: str, models: tuple[str, ...], datastore: bool = False,
@@ -119,7 +126,9 @@ class _ArmMaker:
                                                else spec.max_nodes)
         costs = [self.costs.get(model or self.default, 0.0) for model in models]
         level = sum(costs) if costs and all(cost > 0 for cost in costs) else 0.0
+        prefill = sum(self.prefill.get(model or self.default, 0.0) for model in models
+                      if model != HEADS)
         self_sized = (spec.width == 1 and spec.min_probability > 0 and len(models) == 1
                       and models != (HEADS,) and not datastore and not votes)
-        return DraftArm(name, models, datastore, votes, max_nodes, spec.depth, level, capacity,
-                        self_sized)
+        return DraftArm(name, models, datastore, votes, max_nodes, spec.depth, level, prefill,
+                        capacity, self_sized)

@@ -13,17 +13,23 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from specmesh_services.router.pipeline import split
+
 
 class MicroBatcher:
     def __init__(self, call: Callable[[Any, float], Awaitable[Any]],
                  make_request: Callable[[Sequence[Any]], Any], max_items: int = 64,
-                 seconds: Callable[[Any, int], Sequence[float]] | None = None) -> None:
+                 seconds: Callable[[Any, int], Sequence[float]] | None = None,
+                 parts: Callable[[int], int] | None = None) -> None:
         """`call(request, timeout)` sends one batched request built by `make_request(items)`;
         its response's `trees` answer the items in order. `seconds(response, n)`: the service
-        time of each of the n items (`submit_timed`); default none known (0)."""
+        time of each of the n items (`submit_timed`); default none known (0). `parts(n)`: the
+        micro-batches n items ready together go out in (SPIN V.B, `pipeline.micro_batches`),
+        sent as that many calls in order; default one."""
         if max_items < 1:
             raise ValueError("need max_items >= 1")
         self._call, self._make = call, make_request
+        self._parts = parts or (lambda n: 1)
         self._seconds = seconds or (lambda response, n: [0.0] * n)
         self.max_items = max_items
         self._queue: list[tuple[Any, asyncio.Future]] = []
@@ -53,8 +59,8 @@ class MicroBatcher:
             self._timer = None
         batch, self._queue = self._queue, []
         batch = [(item, fut) for item, fut in batch if not fut.cancelled()]
-        if batch:
-            task = asyncio.get_running_loop().create_task(self._send(batch, timeout))
+        for part in split(batch, self._parts(len(batch))) if batch else ():
+            task = asyncio.get_running_loop().create_task(self._send(part, timeout))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 

@@ -32,6 +32,7 @@ from specmesh_services.common.pool import Pool
 from specmesh_services.common.sampling import SamplingParams
 from specmesh_services.router.arms import ArmSet
 from specmesh_services.router.batching import MicroBatcher
+from specmesh_services.router.pipeline import micro_batches
 from specmesh_services.router.loop import InFlight, LoopServices, RequestLoop, TargetInfo
 from specmesh_services.router.policy import TreeSizing
 from specmesh_services.router.selection import Arm, Selection, make_selection
@@ -53,12 +54,18 @@ class Router:
                  speculation: SpeculationSettings, settings: RouterSettings,
                  router_id: str | None = None, drafter_name: str = "", datastore=None,
                  drafter_names: list[str] | None = None,
-                 drafter_costs: dict[str, float] | None = None) -> None:
+                 drafter_costs: dict[str, float] | None = None,
+                 drafter_prefill: dict[str, float] | None = None,
+                 pipelined: bool = False) -> None:
         """`drafter_name`: the model a fixed selection drafts with ("" = the drafter's first);
         `drafter_names`: every model drafter (default: that one); `drafter_costs`: seconds of
         one drafting forward of one request per draft model name (the drafter's
         `DraftModelInfo.level_seconds`), the tree-size policy's estimate of a model's drafting
-        cost until the router has timed its drafts."""
+        cost until the router has timed its drafts; `drafter_prefill`: seconds per context token
+        of a prefill per draft model name (`DraftModelInfo.prefill_token_seconds`), the
+        selection's switching cost (SPIN eq. 6). `pipelined`: the drafters run beside the
+        verifier (their own cores or device), so micro-batches of draft items overlap
+        verification (`router.micro_batches` unset: SPIN's heuristic decides how many)."""
         if speculation.source == "auto":
             raise ValueError("speculation.source=auto: resolve it for the model first "
                              "(models.served)")
@@ -72,9 +79,10 @@ class Router:
         self.speculation = speculation
         self.settings = settings
         self.router_id = router_id or f"router-{uuid.uuid4().hex[:12]}"
+        self.pipelined = pipelined
         # what each arm drafts with, and its limits and costs
         self.arms = ArmSet.build(speculation, drafter_name, drafter_names or [drafter_name],
-                                 drafter_costs or {})
+                                 drafter_costs or {}, drafter_prefill)
         self._waiting: dict[tuple[str, int], asyncio.Future] = {}
         self._dispatcher: asyncio.Task | None = None
         self._capacity: dict[str, tuple[int, float]] = {}  # verifier -> (batch size, last seen)
@@ -88,7 +96,8 @@ class Router:
         self.selection: Selection | None = None
         if speculation.selection != "fixed" and speculation.depth > 0:
             self.selection = make_selection(
-                speculation.selection, [Arm(a.name, a.capacity) for a in self.arms.selectable],
+                speculation.selection,
+                [Arm(a.name, a.capacity, a.prefill_token_seconds) for a in self.arms.selectable],
                 speculation.slot_s, epsilon=speculation.epsilon)
         self.services = self._loop_services()
 
@@ -99,7 +108,7 @@ class Router:
         drafts = MicroBatcher(
             lambda request, timeout: self.drafter.Draft(request, timeout=timeout),
             lambda items: drafter_pb2.DraftBatchRequest(items=items), batch_max,
-            seconds=lambda response, n: response.draft_seconds)
+            seconds=lambda response, n: response.draft_seconds, parts=self.micro_batches)
         lookups = MicroBatcher(
             lambda request, timeout: self.datastore.Lookup(request, timeout=timeout),
             lambda items: datastore_pb2.LookupBatchRequest(items=items), batch_max,
@@ -112,6 +121,16 @@ class Router:
             sizing_for=self.sizing_for, selection=self.selection, voting=voting,
             verify=self.verify, wait_for_room=self.wait_for_room, drafter=self.drafter,
             drafts=drafts, lookups=lookups)
+
+    def micro_batches(self, items: int) -> int:
+        """The calls `items` draft items ready together go out in (SPIN V.B)."""
+        if self.settings.micro_batches is not None:
+            return self.settings.micro_batches
+        if not self.pipelined:
+            return 1
+        nodes = self.batch.mean_nodes()
+        rows = 1 + (nodes if nodes is not None else self.speculation.depth)
+        return micro_batches(items, rows, self.verify_times.estimate())
 
     def sizing_for(self, arm: str) -> TreeSizing:
         """The tree-size policy's router-wide state of an arm (drafting costs differ per arm)."""

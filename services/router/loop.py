@@ -51,7 +51,7 @@ class InFlight:
     request's tree will share the verifier's pass with."""
 
     def __init__(self) -> None:
-        self.prompts: dict[str, int] = {}  # request -> prompt length (the selection's `live`)
+        self.prompts: dict[str, int] = {}  # request -> prompt length
         self._loops: dict[str, RequestLoop] = {}
         # request -> (tree nodes, expected tokens, drafting seconds) of its current step
         self._plans: dict[str, tuple[int, float, float]] = {}
@@ -71,8 +71,20 @@ class InFlight:
         del self._loops[request_id]
         self._plans.pop(request_id, None)
 
+    @property
+    def contexts(self) -> dict[str, int]:
+        """Each request's context (prompt + generated tokens), which sizes the prefill a
+        request moving to another drafter costs (the selection's `contexts`)."""
+        return {rid: len(loop.prompt) + len(loop.generated) for rid, loop in self._loops.items()}
+
     def plan(self, request_id: str, nodes: int, tokens: float, draft_seconds: float) -> None:
         self._plans[request_id] = (nodes, tokens, draft_seconds)
+
+    def mean_nodes(self) -> float | None:
+        """The mean tree size of the current plans (None: none planned)."""
+        if not self._plans:
+            return None
+        return sum(nodes for nodes, _, _ in self._plans.values()) / len(self._plans)
 
     def share(self, request_id: str) -> BatchShare:
         """The current plans of the requests other than `request_id`."""
@@ -284,7 +296,7 @@ class RequestLoop:
         if services.selection is None:
             return services.arms.configured
         return services.arms.get(services.selection.arm_for(
-            self.request_id, services.batch.prompts, services.batch.idle))
+            self.request_id, services.batch.prompts, services.batch.idle, services.batch.contexts))
 
     def _warm_ahead(self, arm: DraftArm | None) -> None:
         """Prefills the arm's drafters before the arm is used, if the request's sizing would

@@ -58,9 +58,11 @@ class Selection:
         self._plan: dict[str, str | None] = {}
 
     def arm_for(self, request_id: str, live: Mapping[str, int],
-                idle: Callable[[str, str], bool] | None = None) -> str | None:
-        """The arm of `request_id` this slot; `live` maps every live request to its prompt length.
-        None: no arm has room (the step runs without a tree). `idle(request, arm)`: the request
+                idle: Callable[[str, str], bool] | None = None,
+                contexts: Mapping[str, int] | None = None) -> str | None:
+        """The arm of `request_id` this slot; `live` maps every live request to its prompt length,
+        `contexts` to its context (prompt + generated: what prefilling it on another drafter
+        costs; default `live`). None: no arm has room (the step runs without a tree). `idle(request, arm)`: the request
         would decode plainly on that arm (its tree-size policy says no tree pays there); LBSS
         does not explore such arms, the baselines ignore it (SPIN's definitions)."""
         now = self._clock()
@@ -69,7 +71,7 @@ class Selection:
             self._next_slot()
             self._plan = {}
         if request_id not in self._plan:
-            self._plan.update(self._assign(dict(live), idle))
+            self._plan.update(self._assign(dict(live), idle, dict(contexts or live)))
         return self._plan.get(request_id)
 
     def likely_arm(self, request_id: str) -> str | None:
@@ -85,8 +87,8 @@ class Selection:
     def _next_slot(self) -> None:
         pass
 
-    def _assign(self, live: dict[str, int], idle: Callable[[str, str], bool] | None = None
-                ) -> dict[str, str | None]:
+    def _assign(self, live: dict[str, int], idle: Callable[[str, str], bool] | None = None,
+                contexts: dict[str, int] | None = None) -> dict[str, str | None]:
         raise NotImplementedError
 
 
@@ -99,9 +101,9 @@ class LBSSSelection(Selection):
                                       switch_cost_per_token_s=a.switch_cost_per_token_s)
                           for a in arms], seed=seed)
 
-    def _assign(self, live: dict[str, int], idle: Callable[[str, str], bool] | None = None
-                ) -> dict[str, str | None]:
-        placed = self.lbss.assign(list(live), live, idle)
+    def _assign(self, live: dict[str, int], idle: Callable[[str, str], bool] | None = None,
+                contexts: dict[str, int] | None = None) -> dict[str, str | None]:
+        placed = self.lbss.assign(list(live), contexts or live, idle)
         return {rid: p.drafter if p is not None else None for rid, p in placed.items()}
 
     def likely_arm(self, request_id: str) -> str | None:
@@ -155,8 +157,8 @@ def _fill(order: list[str], wanted: list[str], arms: list[Arm]) -> dict[str, str
 class GreedyByPromptLength(Selection):
     """Shorter prompts on cheaper arms (arms listed cheapest first), in equal shares."""
 
-    def _assign(self, live: dict[str, int], idle: Callable[[str, str], bool] | None = None
-                ) -> dict[str, str | None]:
+    def _assign(self, live: dict[str, int], idle: Callable[[str, str], bool] | None = None,
+                contexts: dict[str, int] | None = None) -> dict[str, str | None]:
         order = sorted(live, key=lambda rid: (live[rid], rid))
         m, n = len(self.arms), len(order)
         wanted = [self.names[min(i * m // max(n, 1), m - 1)] for i in range(n)]
@@ -183,8 +185,8 @@ class EpsilonGreedy(Selection):
     def _next_slot(self) -> None:
         self._exploit = self._draw_mode()
 
-    def _assign(self, live: dict[str, int], idle: Callable[[str, str], bool] | None = None
-                ) -> dict[str, str | None]:
+    def _assign(self, live: dict[str, int], idle: Callable[[str, str], bool] | None = None,
+                contexts: dict[str, int] | None = None) -> dict[str, str | None]:
         order = list(live)
         best = self.goodputs.best() if self._exploit else None
         wanted = [best or self.names[self._rng.integers(len(self.names))] for _ in order]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import grpc
 
-from specmesh_services.common import models, pool as pool_mod, serving
+from specmesh_services.common import cores, models, pool as pool_mod, serving
 from specmesh_services.common.config import Settings
 from specmesh_services.common.rpc import channel, start_server
 from specmesh_services.common.datastore_files import tokenizer_family
@@ -50,7 +50,7 @@ async def start(settings: Settings):
         datastore = datastore_pb2_grpc.DatastoreStub(datastore_channel)
         await check_datastore(datastore, tokenizer, settings.router.step_timeout_s)
     drafter = drafter_pb2_grpc.DrafterStub(drafter_channel) if drafter_channel else None
-    names, costs = None, None
+    names, costs, prefill = None, None, None
     spec = settings.speculation
     if drafter is not None and spec.depth > 0:
         needed = spec.selection != "fixed" or spec.voting  # the arms / the voters
@@ -66,10 +66,13 @@ async def start(settings: Settings):
         else:
             names = [m.name for m in info.models] if needed else None
             costs = {m.name: m.level_seconds for m in info.models}
+            prefill = {m.name: m.prefill_token_seconds for m in info.models}
     first, names = router_drafters(settings, names)
     router = Router(pool, drafter, tokenizer, target_info(settings.model, path, tokenizer),
                     settings.speculation, settings.router, datastore=datastore,
-                    drafter_name=first, drafter_names=names, drafter_costs=costs)
+                    drafter_name=first, drafter_names=names, drafter_costs=costs,
+                    drafter_prefill=prefill,
+                    pipelined=cores.plan(settings.cores, settings.drafter_cores).split)
     router.start()
     server, port = await start_server(
         [(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(router), SERVICE_NAME)],
