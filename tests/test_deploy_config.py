@@ -232,6 +232,25 @@ def compose_health_port(service: dict) -> int:
     return port
 
 
+def interpolate(value: str | None, variables: dict[str, str] | None = None) -> str | None:
+    """Compose's ${VAR:-default} substitution of `value` under `variables` (the shell's)."""
+    if value is None:
+        return None
+    return re.sub(r"\$\{(\w+):-([^}]*)\}",
+                  lambda m: (variables or {}).get(m.group(1)) or m.group(2), value)
+
+
+def test_compose_places_the_verifier_and_the_drafter_on_cores_given_or_shared(compose):
+    """Unset, both containers see every core (cores shared, the drafter on one thread); the
+    variables give them disjoint cpusets, as cores=split does for `specmesh up`."""
+    verifier, drafter = compose["services"]["verifier"], compose["services"]["drafter"]
+    assert interpolate(verifier["cpuset"]) == interpolate(drafter["cpuset"]) == ""
+    split = {"VERIFIER_CPUSET": "0-5", "DRAFTER_CPUSET": "6-7", "DRAFTER_THREADS": "2"}
+    assert (interpolate(verifier["cpuset"], split), interpolate(drafter["cpuset"], split)) == (
+        "0-5", "6-7")
+    assert interpolate(compose_env(drafter)["OMP_NUM_THREADS"], split) == "2"
+
+
 def test_compose_has_the_whole_stack(compose):
     assert {"redis", "jaeger", *ROLES} <= set(compose["services"])
 
@@ -258,7 +277,7 @@ def test_compose_service_command_and_settings(monkeypatch, compose, role):
     unknown = [k for k in env if k.startswith("SPECMESH_") and settings_field(k) is None]
     assert unknown == [], f"not Settings fields: {unknown}"
     if role == "drafter":  # shares the host's cores with the verifier
-        assert env.get("OMP_NUM_THREADS") == "1"
+        assert interpolate(env.get("OMP_NUM_THREADS")) == "1"
     settings = compose_settings(monkeypatch, compose, role)
     assert settings.host == "0.0.0.0"
     assert settings.port > 0 and settings.port == compose_health_port(service)
@@ -453,6 +472,16 @@ def test_k8s_model_deployment(monkeypatch, manifests, role):
     assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
     if role in ("router", "verifier"):
         assert settings.redis_url, f"{role} needs the pool"
+
+
+@pytest.mark.parametrize("role", ["verifier", "drafter"])
+def test_k8s_verifier_and_drafter_get_whole_cores_of_their_own(manifests, role):
+    """Guaranteed pods with integer CPUs: the static CPU manager gives them exclusive cores."""
+    container = model_container(manifests, role)
+    resources = container["resources"]
+    assert resources["requests"] == resources["limits"]
+    cpus = str(resources["limits"]["cpu"])
+    assert cpus.isdigit() and k8s_env(manifests, container)["OMP_NUM_THREADS"] == cpus
 
 
 @pytest.mark.parametrize("role", ROLES)
