@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -60,19 +60,14 @@ class EmbeddedMesh:
         pinned to theirs; threads passed in get their cores back when the mesh stops."""
         settings = models.served(settings)
         placement = cores.plan(settings.cores, settings.drafter_cores)
-        owned = []
-        if executor is None:
-            executor = serving.compute_executor()
-            owned.append(executor)
-        if not placement.split:
-            draft_executor = executor
-        elif draft_executor is None:
-            draft_executor = serving.compute_executor(role="drafter")
-            owned.append(draft_executor)
-        pinned = []
-        if placement.split:
-            pinned = [(e, cores.pin_executor(e, placement.cpus(role), placement.threads(role)))
-                      for e, role in ((executor, "verifier"), (draft_executor, "drafter"))]
+        with _compute_threads(placement, executor, draft_executor) as (executor, draft_executor):
+            async with cls._started(settings, placement, executor, draft_executor) as mesh:
+                yield mesh
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def _started(cls, settings: Settings, placement: cores.CorePlan, executor: Executor,
+                       draft_executor: Executor) -> AsyncIterator["EmbeddedMesh"]:
         loop = asyncio.get_running_loop()
         path = await loop.run_in_executor(executor, models.resolve, settings.model,
                                           settings.cache_dir)
@@ -111,11 +106,6 @@ class EmbeddedMesh:
         finally:
             await router.stop()
             await worker.stop()
-            for e in owned:
-                e.shutdown(wait=False, cancel_futures=True)
-            for e, before in pinned:
-                if e not in owned:
-                    cores.pin_executor(e, *before)
 
     async def generate(self, **kwargs) -> gateway_pb2.GenerateResponse:
         """Same keyword arguments as the SDK's build_request (prompt= or messages=, ...)."""
@@ -123,3 +113,33 @@ class EmbeddedMesh:
 
     def stream(self, **kwargs) -> AsyncIterator[gateway_pb2.GenerateChunk]:
         return self.gateway.GenerateStream(build_request(**kwargs))
+
+
+@contextlib.contextmanager
+def _compute_threads(placement: cores.CorePlan, executor: Executor | None,
+                     draft_executor: Executor | None) -> Iterator[tuple[Executor, Executor]]:
+    """(verifier's, drafting roles') compute threads: one for both when the cores are shared;
+    with split cores two, pinned to their cores. Threads made here are shut down and threads
+    passed in get their cores back on exit, also when loading fails."""
+    owned = []
+    if executor is None:
+        executor = serving.compute_executor()
+        owned.append(executor)
+    if not placement.split:
+        draft_executor = executor
+    elif draft_executor is None:
+        draft_executor = serving.compute_executor(role="drafter")
+        owned.append(draft_executor)
+    pinned = []
+    try:
+        if placement.split:
+            for e, role in ((executor, "verifier"), (draft_executor, "drafter")):
+                pinned.append((e, cores.pin_executor(e, placement.cpus(role),
+                                                     placement.threads(role))))
+        yield executor, draft_executor
+    finally:
+        for e in owned:
+            e.shutdown(wait=False, cancel_futures=True)
+        for e, before in pinned:
+            if e not in owned:
+                cores.pin_executor(e, *before)
