@@ -7,7 +7,8 @@ INVALID_ARGUMENT while the services stay up, streaming = unary, seeded sampling 
 one trace per request across all five services (exported over OTLP to a test collector), a
 cancelled stream releases its request, and failures lose nothing: a killed verifier's step is
 claimed by a new one, dead drafting services leave only the heads drafting. The failure tests
-run last.
+run last. The stack runs with split cores: the verifier's and the drafting roles' compute
+threads pinned to disjoint cores (checked from /proc), every result above on top of it.
 """
 import asyncio
 import os
