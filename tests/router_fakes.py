@@ -234,7 +234,8 @@ class Mesh:
     def __init__(self, speculation: SpeculationSettings, drafter_names: list[str] | None = None,
                  drafter: dict | None = None, datastore: dict | None = None,
                  drafter_prefill: dict[str, float] | None = None,
-                 router: dict | None = None, pipelined: bool = False) -> None:
+                 router: dict | None = None, pipelined: bool = False,
+                 drafter_costs: dict[str, float] | None = None) -> None:
         self.pool = FakePool()
         self.verifier = ScriptedVerifier(self.pool)
         self.drafter = ScriptedDrafter(self.verifier, **(drafter or {}))
@@ -244,7 +245,7 @@ class Mesh:
             speculation, RouterSettings(**{"step_timeout_s": 5.0, **(router or {})}),
             datastore=self.datastore,
             drafter_name=(drafter_names or [""])[0], drafter_names=drafter_names,
-            drafter_prefill=drafter_prefill, pipelined=pipelined)
+            drafter_prefill=drafter_prefill, pipelined=pipelined, drafter_costs=drafter_costs)
 
 
 @asynccontextmanager

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from router_fakes import Mesh, continuation, running
 from specmesh_services.common.config import SpeculationSettings
 from specmesh.v1 import common_pb2, router_pb2
@@ -139,6 +141,22 @@ def test_draft_items_ready_together_go_out_in_micro_batches():
         results = run(mesh, *requests)
         assert [tokens for tokens, _, _ in results] == [continuation(p, 16) for p in prompts]
         assert max(len(batch.items) for batch in mesh.drafter.batches) == largest, router
+
+
+def test_a_step_publishes_its_expected_drafting_when_it_plans():
+    """Requests planning in the same turn see the drafting the step will wait for (D of the
+    planned size: the drafter's prior, 4 levels at 10 ms, then the drafts' measured time, the
+    fake's 1 ms), not 0 until the tree is back."""
+    mesh = Mesh(speculation(), drafter_costs={"": 0.01})
+    published = []
+    plan = mesh.router.batch.plan
+    mesh.router.batch.plan = lambda rid, nodes, tokens, seconds: (
+        published.append((nodes, seconds)), plan(rid, nodes, tokens, seconds))[1]
+    (tokens, _, _), = run(mesh, {"max_tokens": 12})
+    assert tokens == continuation(PROMPT, 12)
+    planned = published[2::2]  # each step: its plan, then its drafted tree (step 0: no tree)
+    assert planned[0] == (4, pytest.approx(0.04)), published
+    assert len(planned) > 1 and all(p == (4, pytest.approx(0.001)) for p in planned[1:])
 
 
 def test_the_heuristic_splits_by_the_measured_pass_cost_where_drafting_runs_beside():

@@ -196,7 +196,10 @@ class RequestLoop:
         arm = self._arm() if step > 0 and self.speculating else None
         choice = (self.sizing(arm.name).choose(in_flight, batch.share(self.request_id))
                   if arm else StepChoice(0, 1.0))
-        batch.plan(self.request_id, choice.budget, choice.expected_length, 0.0)
+        # its expected drafting is published with its size: requests planning after it in the
+        # same turn (a batch ready together) see the drafting the step already waits for
+        expected_draft = arm and self.sizing(arm.name).shared.draft_seconds(choice.budget)
+        batch.plan(self.request_id, choice.budget, choice.expected_length, expected_draft or 0.0)
         return Plan(step, arm, choice, in_flight, started)
 
     async def draft(self, plan: Plan) -> Drafted:

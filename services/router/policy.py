@@ -146,6 +146,12 @@ class TreeSizing:
         rows = others.nodes + others.requests + 1
         return lambda n: verify(rows + n) + others.draft_seconds + (draft(n) if n else 0.0)
 
+    def draft_seconds(self, n: int) -> float:
+        """The expected drafting seconds of an n-node tree (D(n), measured or the drafter's
+        prior; 0 for no tree or before either exists)."""
+        draft = self.draft_times.estimate() or self.draft_prior
+        return draft(n) if n and draft is not None else 0.0
+
     def for_request(self) -> "RequestSizing":
         return RequestSizing(self, self.prior.fresh(self.config.prior_weight))
 
