@@ -198,8 +198,8 @@ class RequestLoop:
                   if arm else StepChoice(0, 1.0))
         # its expected drafting is published with its size: requests planning after it in the
         # same turn (a batch ready together) see the drafting the step already waits for
-        expected_draft = arm and self.sizing(arm.name).shared.draft_seconds(choice.budget)
-        batch.plan(self.request_id, choice.budget, choice.expected_length, expected_draft or 0.0)
+        expected_draft = self.sizing(arm.name).shared.draft_seconds(choice.budget) if arm else 0.0
+        batch.plan(self.request_id, choice.budget, choice.expected_length, expected_draft)
         return Plan(step, arm, choice, in_flight, started)
 
     async def draft(self, plan: Plan) -> Drafted:
