@@ -71,7 +71,6 @@ class InFlight:
         del self._loops[request_id]
         self._plans.pop(request_id, None)
 
-    @property
     def contexts(self) -> dict[str, int]:
         """Each request's context (prompt + generated tokens), which sizes the prefill a
         request moving to another drafter costs (the selection's `contexts`)."""

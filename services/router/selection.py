@@ -59,10 +59,10 @@ class Selection:
 
     def arm_for(self, request_id: str, live: Mapping[str, int],
                 idle: Callable[[str, str], bool] | None = None,
-                contexts: Mapping[str, int] | None = None) -> str | None:
+                contexts: Callable[[], Mapping[str, int]] | None = None) -> str | None:
         """The arm of `request_id` this slot; `live` maps every live request to its prompt length,
-        `contexts` to its context (prompt + generated: what prefilling it on another drafter
-        costs; default `live`). None: no arm has room (the step runs without a tree). `idle(request, arm)`: the request
+        `contexts()` to its context (prompt + generated: what prefilling it on another drafter
+        costs; default `live`), asked only when the slot's plan is made. None: no arm has room (the step runs without a tree). `idle(request, arm)`: the request
         would decode plainly on that arm (its tree-size policy says no tree pays there); LBSS
         does not explore such arms, the baselines ignore it (SPIN's definitions)."""
         now = self._clock()
@@ -71,7 +71,8 @@ class Selection:
             self._next_slot()
             self._plan = {}
         if request_id not in self._plan:
-            self._plan.update(self._assign(dict(live), idle, dict(contexts or live)))
+            self._plan.update(self._assign(dict(live), idle,
+                                           dict(contexts() if contexts else live)))
         return self._plan.get(request_id)
 
     def likely_arm(self, request_id: str) -> str | None:
