@@ -102,7 +102,8 @@ class EmbeddedMesh:
         worker.start()
         router.start()
         try:
-            yield cls(settings, gateway, router, worker, drafter, pool, datastore)
+            with serving.frozen_heap():
+                yield cls(settings, gateway, router, worker, drafter, pool, datastore)
         finally:
             await router.stop()
             await worker.stop()

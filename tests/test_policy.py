@@ -212,6 +212,25 @@ def test_a_drafters_measured_cost_spares_the_batch_bootstrap():
     assert request.shared.batch_cost(others)(4) == pytest.approx(verify(12) + 0.5)
 
 
+def test_a_pending_drafter_prefill_is_charged_to_a_batched_tree():
+    """SPIN's switching cost in the batch's choice: a tree that would wait for the request's
+    drafter prefill pays for it in that step; alone, the request's own step time decides."""
+    verify = LinearCost(0.080, 0.001)
+    sizing = TreeSizing(max_nodes=4, max_depth=4, probe_every=0, verify_times=PassTimes(),
+                        draft_prior=lambda n: min(n, 4) * 0.002)
+    for rows in (6, 8):
+        sizing.verify_times.observe(rows, verify(rows))
+    request = sizing.for_request()
+    request.profile = AcceptanceProfile.from_probabilities([[0.9]] * 4)
+    others = BatchShare(tokens=5.0, requests=5)
+    assert request.choose(6, others).budget > 0 and request.would_speculate(6, others)
+    pending = BatchShare(tokens=5.0, requests=5, switch_seconds=0.12)  # 150 tokens to prefill
+    assert sizing.batch_cost(pending)(0) == pytest.approx(verify(6))
+    assert sizing.batch_cost(pending)(2) == pytest.approx(verify(8) + 0.004 + 0.12)
+    assert request.choose(6, pending) == StepChoice(0, 1.0)
+    assert not request.would_speculate(6, pending), "no prefill ahead for a plain request"
+
+
 def test_an_off_request_skips_probes_that_could_not_pay():
     """A probe only teaches acceptance: when even a fully accepted probe tree would not beat a
     plain step at the current costs, an off request does not probe."""

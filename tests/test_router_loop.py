@@ -187,6 +187,23 @@ def test_the_selection_charges_a_move_the_drafters_prefill_of_the_whole_context(
     assert contexts == sorted(contexts) and contexts[-1] < len(PROMPT) + 24
 
 
+def test_a_tree_that_would_wait_for_the_drafters_prefill_is_charged_for_it():
+    """The draft stage prices the prefill a request still needs on an arm (its context at the
+    arm's measured rate), until the drafter holds it."""
+    from specmesh_services.router.drafting import DraftStage
+
+    async def check():
+        mesh = Mesh(speculation(), drafter_prefill={"": 0.002})
+        async with running(mesh):
+            stage = DraftStage(mesh.router.services, "r", lambda: PROMPT * 10)
+            arm = mesh.router.services.arms.configured
+            assert stage.switch_seconds(arm) == pytest.approx(0.002 * 30)
+            stage.warm(arm)
+            await asyncio.gather(*(s.prefill_task for s in stage.syncs.values()))
+            assert stage.switch_seconds(arm) == 0.0
+    asyncio.run(check())
+
+
 def test_voting_verifies_the_majority_path_and_credits_its_drafter():
     names = ["good", "also-good", "bad"]
     mesh = Mesh(speculation(voting=True), drafter_names=names,

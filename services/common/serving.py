@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import logging
 import signal
 import sys
@@ -20,6 +22,19 @@ log = logging.getLogger(__name__)
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@contextlib.contextmanager
+def frozen_heap():
+    """What startup allocated (the models' Python objects, tokenizer tables) kept out of the
+    collector's full passes while serving: unfrozen, each one scanned it all and stalled the
+    event loop, and with it every request, for ~250 ms (docs/decisions/frozen-heap.md)."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def compute_executor(settings: Settings | None = None, role: str = "") -> ThreadPoolExecutor:
@@ -75,7 +90,8 @@ def run_service(role: str, settings: Settings,
         server, port, cleanup = await start(settings)
         print(f"{role} listening on {settings.host}:{port}", flush=True)
         try:
-            await wait_for_signal()
+            with frozen_heap():
+                await wait_for_signal()
         finally:
             log.info("%s shutting down", role)
             await server.stop(grace=3)

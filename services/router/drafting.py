@@ -119,6 +119,15 @@ class DraftStage:
             if name not in self.syncs and name != HEADS:  # the heads need no prefill
                 self._prefill(name)
 
+    def switch_seconds(self, arm: DraftArm) -> float:
+        """The prefill a tree of `arm` would still wait for: the request's whole context at the
+        arm's measured prefill rate while one of its models does not hold the request yet (a
+        prefill not started, or still running), else 0."""
+        pending = any(name != HEADS and (name not in self.syncs or (
+            self.syncs[name].prefill_task is not None and not self.syncs[name].prefill_task.done()))
+            for name in arm.models)
+        return arm.prefill_token_seconds * len(self.context()) if pending else 0.0
+
     async def draft(self, arm: DraftArm, budget: int, sizing: RequestSizing) -> Drafted:
         """A tree of at most `budget` nodes from the arm's sources (fixed sizing: the
         configured tree, as drafted)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from opentelemetry import trace
@@ -193,11 +193,12 @@ class RequestLoop:
         batch = self.services.batch
         in_flight = len(batch)
         arm = self._arm() if step > 0 and self.speculating else None
-        choice = (self.sizing(arm.name).choose(in_flight, batch.share(self.request_id))
-                  if arm else StepChoice(0, 1.0))
+        share = self._share(arm) if arm else None
+        choice = self.sizing(arm.name).choose(in_flight, share) if arm else StepChoice(0, 1.0)
         # its expected drafting is published with its size: requests planning after it in the
         # same turn (a batch ready together) see the drafting the step already waits for
-        expected_draft = self.sizing(arm.name).shared.draft_seconds(choice.budget) if arm else 0.0
+        expected_draft = (self.sizing(arm.name).shared.draft_seconds(choice.budget)
+                          + share.switch_seconds) if choice.budget else 0.0
         batch.plan(self.request_id, choice.budget, choice.expected_length, expected_draft)
         return Plan(step, arm, choice, in_flight, started)
 
@@ -304,10 +305,15 @@ class RequestLoop:
         """Prefills the arm's drafters before the arm is used, if the request's sizing would
         draft on it now: a request whose steps run plain (a saturated batch) costs its drafters
         nothing."""
-        batch = self.services.batch
-        if arm is not None and self.sizing(arm.name).would_speculate(
-                len(batch), batch.share(self.request_id)):
+        if arm is not None and self.sizing(arm.name).would_speculate(len(self.services.batch),
+                                                                     self._share(arm)):
             self.drafting.warm(arm)
+
+    def _share(self, arm: DraftArm) -> BatchShare:
+        """The batch as this request's step on `arm` shares it: the others' plans and the
+        drafter prefill it would still wait for there."""
+        return replace(self.services.batch.share(self.request_id),
+                       switch_seconds=self.drafting.switch_seconds(arm))
 
     def _heads_nodes(self, choice: StepChoice) -> int:
         """The node limit of the tree the verifier's heads draft with this step's result, for

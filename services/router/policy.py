@@ -138,13 +138,16 @@ class TreeSizing:
     def batch_cost(self, others: BatchShare) -> Callable[[int], float] | None:
         """Seconds of a step shared with `others` as a function of this request's tree size n:
         the verifier's pass over everyone's rows plus everyone's drafting,
-        V(others' rows + 1 + n) + others' drafting + D(n). None until both are measured."""
+        V(others' rows + 1 + n) + others' drafting + D(n), and for a tree the request's
+        drafter prefill still pending (`BatchShare.switch_seconds`). None until V and D are
+        measured."""
         verify = self.verify_times.curve() if self.verify_times is not None else None
         draft = self.draft_times.estimate() or self.draft_prior
         if verify is None or draft is None:
             return None
         rows = others.nodes + others.requests + 1
-        return lambda n: verify(rows + n) + others.draft_seconds + (draft(n) if n else 0.0)
+        return lambda n: (verify(rows + n) + others.draft_seconds
+                          + (draft(n) + others.switch_seconds if n else 0.0))
 
     def draft_seconds(self, n: int) -> float:
         """The expected drafting seconds of an n-node tree (D(n), measured or the drafter's

@@ -17,12 +17,16 @@ class StepChoice:
 
 @dataclass(frozen=True)
 class BatchShare:
-    """What the other requests in flight plan for their current step."""
+    """What a request's step shares its time with: the other requests' plans for their current
+    step, and its own drafter prefill still to pay."""
 
     nodes: int = 0  # draft nodes of their trees
     tokens: float = 0.0  # tokens their steps are expected to emit, bonus included
     requests: int = 0  # how many they are (one root row each in the verify pass)
     draft_seconds: float = 0.0  # drafter time their trees take
+    # the request's own prefill on the arm's drafters, not yet done: a tree now waits for it
+    # (SPIN's switching cost, eq. 6, charged to the step that pays it)
+    switch_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
