@@ -75,6 +75,6 @@ RUN specmesh datastore build
 # the weights are local: never reach for the Hugging Face hub at run time
 ENV HF_HUB_OFFLINE=1
 
-EXPOSE 50051
+EXPOSE 50051 8000
 ENTRYPOINT ["specmesh"]
 CMD ["serve", "gateway"]

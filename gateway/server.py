@@ -1,6 +1,11 @@
-"""Gateway process: `specmesh serve gateway`."""
+"""Gateway process: `specmesh serve gateway`: the gRPC API on `port`, the OpenAI-compatible HTTP
+API on `gateway.http_port`, both over one GatewayServicer."""
 from __future__ import annotations
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specmesh_gateway import http
 from specmesh_gateway.requests import ServedModel
 from specmesh_gateway.servicer import SERVICE_NAME, GatewayServicer
 from specmesh_services.common import models, serving
@@ -17,14 +22,35 @@ def served_model(settings: Settings) -> ServedModel:
                        max_tokens_limit=settings.max_tokens_limit)
 
 
+def router_ready(router_channel: grpc.aio.Channel):
+    """/health: whether the router answers grpc.health.v1 as SERVING within a second."""
+    stub = health_pb2_grpc.HealthStub(router_channel)
+
+    async def ready() -> bool:
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+    return ready
+
+
 async def start(settings: Settings):
     router_channel = channel(settings.router_address)
     servicer = GatewayServicer(router_pb2_grpc.RouterStub(router_channel), served_model(settings))
     server, port = await start_server(
         [(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer, SERVICE_NAME)],
         settings.host, settings.port)
+    stop_http = None
+    if settings.gateway.http_port is not None:
+        app = http.create_app(servicer, ready=router_ready(router_channel))
+        http_port, stop_http = await http.serve(app, settings.host, settings.gateway.http_port)
+        print(f"gateway HTTP (OpenAI-compatible) on http://{settings.host}:{http_port}/v1",
+              flush=True)
 
     async def cleanup() -> None:
+        if stop_http is not None:
+            await stop_http()
         await router_channel.close()
     return server, port, cleanup
 

@@ -7,7 +7,7 @@ from opentelemetry import trace
 
 from specmesh_gateway.requests import ServedModel, to_route_request
 from specmesh_services.common.rpc import rpc_errors
-from specmesh.v1 import gateway_pb2, gateway_pb2_grpc
+from specmesh.v1 import gateway_pb2, gateway_pb2_grpc, router_pb2
 
 SERVICE_NAME = "specmesh.v1.Gateway"
 
@@ -17,14 +17,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.router = router  # RouterStub or LocalStub
         self.model = model
 
-    def _route(self, request: gateway_pb2.GenerateRequest):
+    def route(self, request: gateway_pb2.GenerateRequest) -> tuple[str, router_pb2.RouteRequest]:
+        """A new request id and the validated, tokenized router request (ValueError if bad);
+        the HTTP API goes through here too."""
         request_id = uuid.uuid4().hex
         trace.get_current_span().set_attribute("specmesh.request_id", request_id)
         return request_id, to_route_request(request, self.model, request_id)
 
     @rpc_errors
     async def Generate(self, request, context):
-        request_id, route = self._route(request)
+        request_id, route = self.route(request)
         response = gateway_pb2.GenerateResponse(model=self.model.name, request_id=request_id)
         texts = []
         async for chunk in self.router.Generate(route):
@@ -37,7 +39,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     @rpc_errors
     async def GenerateStream(self, request, context):
-        request_id, route = self._route(request)
+        request_id, route = self.route(request)
         async for chunk in self.router.Generate(route):
             yield gateway_pb2.GenerateChunk(text=chunk.text, token_ids=chunk.token_ids,
                                             finish_reason=chunk.finish_reason, stats=chunk.stats,

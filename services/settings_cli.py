@@ -52,6 +52,7 @@ GROUPS: dict[str, tuple[str, tuple[Flag, ...]]] = {
         Flag("verifier.prune_top_k", "--prune-top-k", metavar="K"),
         Flag("verifier.prune_layer", "--prune-layer", metavar="N"),
         Flag("verifier.metrics_port", metavar="PORT"))),
+    "gateway": ("gateway (HTTP API)", (Flag("gateway.http_port", "--http-port", "PORT"),)),
     "placement": ("placement (CPU cores of the verifier and the drafters)", (
         Flag("cores"), Flag("drafter_cores", metavar="N"))),
     "operations": ("operations", (
@@ -62,13 +63,14 @@ GROUPS: dict[str, tuple[str, tuple[Flag, ...]]] = {
 # which flag groups each command takes (every one of them also takes --config FILE)
 COMMANDS: dict[str, tuple[str, ...]] = {
     "run": ("model", "datastore", "verifier", "placement", "operations"),
-    "up": ("pool", "model", "datastore", "verifier", "placement", "operations"),
-    "serve": ("service", "model", "datastore", "verifier", "placement", "operations"),
+    "up": ("pool", "gateway", "model", "datastore", "verifier", "placement", "operations"),
+    "serve": ("service", "gateway", "model", "datastore", "verifier", "placement", "operations"),
     "datastore": ("model", "datastore", "verifier", "operations"),
     "heads": ("target",),
     "models": ("files",),
     "down": ("files",),
-    "config show": ("service", "model", "datastore", "verifier", "placement", "operations"),
+    "config show": ("service", "gateway", "model", "datastore", "verifier", "placement",
+                    "operations"),
 }
 
 FIELDS: dict[str, FieldInfo] = dict(setting_fields())

@@ -70,6 +70,7 @@ class Stack:
     log_dir: Path
     children: list[Child] = field(default_factory=list)
     redis: object | None = None  # RedisServer when we started one
+    http_port: int | None = None  # the gateway's OpenAI-compatible HTTP API (None: off)
 
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -83,7 +84,11 @@ class Stack:
             settings = settings.with_overrides(redis_url=self.redis.url)
         ports = {"verifier": free_port(), "drafter": free_port(), "datastore": free_port(),
                  "router": free_port(), "gateway": self.gateway_port}
-        settings = settings.with_overrides(router_address=f"127.0.0.1:{ports['router']}",
+        self.http_port = settings.gateway.http_port
+        if self.http_port == 0:
+            self.http_port = free_port()  # chosen here, so that it can be printed
+        settings = settings.with_overrides(**{"gateway.http_port": self.http_port},
+                                           router_address=f"127.0.0.1:{ports['router']}",
                                            drafter_address=f"127.0.0.1:{ports['drafter']}",
                                            datastore_address=f"127.0.0.1:{ports['datastore']}")
         source = settings.speculation.source
@@ -143,8 +148,14 @@ class Stack:
         if self.redis is not None:
             self.redis.stop()
 
+    @property
+    def http_url(self) -> str | None:
+        """Base URL of the OpenAI-compatible API (what `openai.OpenAI(base_url=...)` takes)."""
+        return f"http://127.0.0.1:{self.http_port}/v1" if self.http_port is not None else None
+
     def describe(self) -> dict:
         return {"pid": os.getpid(), "gateway": f"127.0.0.1:{self.gateway_port}",
+                "http": self.http_url,
                 "redis_url": self.settings.redis_url, "log_dir": str(self.log_dir),
                 "children": {c.role: {"pid": c.process.pid, "port": c.port} for c in self.children}}
 
@@ -196,8 +207,9 @@ def up(settings: Settings, port: int, detach: bool) -> int:
         print(f"starting specmesh ({settings.model}); logs in {log_dir}", flush=True)
         stack.start()
         state.write_text(json.dumps(stack.describe(), indent=1))
-        print(f"specmesh is up: gateway on 127.0.0.1:{port}. Try: specmesh generate \"Hello\" "
-              f"--address 127.0.0.1:{port}. Ctrl-C or `specmesh down` stops it.", flush=True)
+        print(f"specmesh is up: gateway on 127.0.0.1:{port}{_http_note(stack.http_url)}. Try: "
+              f"specmesh generate \"Hello\" --address 127.0.0.1:{port}. Ctrl-C or `specmesh "
+              f"down` stops it.", flush=True)
         # Ctrl-C reaches the whole foreground process group: the children stop on it too, so a
         # child found dead right after it is part of the stop, not a failure. Once up, Ctrl-C
         # sets a flag (not KeyboardInterrupt) so the loop below can tell the two apart.
@@ -243,13 +255,18 @@ def _up_detached(settings: Settings, port: int, state: Path) -> int:
             return 1
         running = _read_state(state)
         if running and running["pid"] == process.pid:
-            print(f"specmesh is up: gateway on {running['gateway']} (supervisor pid {process.pid}, "
-                  f"log {log}). `specmesh down` stops it.")
+            print(f"specmesh is up: gateway on {running['gateway']}"
+                  f"{_http_note(running.get('http'))} (supervisor pid {process.pid}, log {log}). "
+                  f"`specmesh down` stops it.")
             return 0
         time.sleep(0.5)
     process.terminate()
     print(f"specmesh up timed out, see {log}", file=sys.stderr)
     return 1
+
+
+def _http_note(url: str | None) -> str:
+    return f", OpenAI-compatible API on {url}" if url else ""
 
 
 def down(settings: Settings) -> int:

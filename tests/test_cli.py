@@ -1,5 +1,6 @@
 """The `specmesh` command as a user runs it: `run` (embedded), `up --detach` / `generate` /
-`down`, and Ctrl-C on a foreground `up`; no process may survive its stack."""
+`down` with the README's `openai` client example and curl against the stack's HTTP API, and
+Ctrl-C on a foreground `up`; no process may survive its stack."""
 import json
 import os
 import signal
@@ -53,10 +54,20 @@ def stack_pids(run_dir: Path) -> list[int]:
     return [state["pid"], *(c["pid"] for c in state["children"].values())]
 
 
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_block(heading: str, language: str) -> str:
+    """The first `language` code block under the README's `heading`."""
+    section = README.read_text().split(f"\n## {heading}\n", 1)[1]
+    return section.split(f"```{language}\n", 1)[1].split("```", 1)[0]
+
+
 def test_up_detach_generate_down(cli_env, tmp_path):
-    port = free_port()
-    up = run_cli(["up", "--detach", "--port", str(port)], cli_env)
+    port, http_port = free_port(), free_port()
+    up = run_cli(["up", "--detach", "--port", str(port), "--http-port", str(http_port)], cli_env)
     assert up.returncode == 0, up.stdout + up.stderr
+    assert f"OpenAI-compatible API on http://127.0.0.1:{http_port}/v1" in up.stdout
     pids = stack_pids(tmp_path / "run")
     # supervisor + gateway, router, datastore (the default model drafts with it), verifier
     assert len(pids) == 5
@@ -67,6 +78,14 @@ def test_up_detach_generate_down(cli_env, tmp_path):
         assert gen.stdout.strip() and "8 tokens" in gen.stderr
         bad = run_cli(["generate", "x", "--address", f"127.0.0.1:{port}", "--top-p", "2"], cli_env)
         assert bad.returncode == 2 and "INVALID_ARGUMENT" in bad.stderr
+        # the README's OpenAI examples, as written but for the port, from outside the checkout
+        for language, command in (("python", [sys.executable, "-"]), ("bash", ["bash", "-e"])):
+            example = readme_block("OpenAI-compatible API", language).replace(
+                "127.0.0.1:8000", f"127.0.0.1:{http_port}")
+            ran = subprocess.run(command, input=example, capture_output=True, text=True,
+                                 cwd=tmp_path, timeout=120)
+            assert ran.returncode == 0 and ran.stdout.strip(), ran.stdout + ran.stderr
+            assert "accepted_prediction_tokens" in ran.stdout or '"choices"' in ran.stdout
     finally:
         down = run_cli(["down"], cli_env)
     log = (tmp_path / "run" / "up.log").read_text()[-3000:]
@@ -77,7 +96,8 @@ def test_up_detach_generate_down(cli_env, tmp_path):
 
 def test_ctrl_c_on_up_stops_everything(cli_env, tmp_path):
     port = free_port()
-    up = subprocess.Popen([*SPECMESH, "up", "--port", str(port)], env=cli_env, text=True,
+    up = subprocess.Popen([*SPECMESH, "up", "--port", str(port), "--http-port", "0"], env=cli_env,
+                          text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           start_new_session=True)  # its own group, like a terminal's job
     try:

@@ -30,6 +30,7 @@ K8S = ROOT / "deploy" / "k8s"
 REDIS_PORT = 6379  # the redis image's default
 OTLP_GRPC_PORT = 4317  # Jaeger all-in-one's OTLP/gRPC receiver
 GATEWAY_PUBLIC_PORT = 50051
+HTTP_PUBLIC_PORT = 8000  # the OpenAI-compatible API (README)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,7 +331,8 @@ def published_ports(service: dict) -> dict[int, int]:
 
 def test_compose_publishes_the_gateway_and_jaeger(monkeypatch, compose):
     gateway = compose_settings(monkeypatch, compose, "gateway")
-    assert published_ports(compose["services"]["gateway"]) == {GATEWAY_PUBLIC_PORT: gateway.port}
+    assert published_ports(compose["services"]["gateway"]) == {
+        GATEWAY_PUBLIC_PORT: gateway.port, HTTP_PUBLIC_PORT: gateway.gateway.http_port}
     assert published_ports(compose["services"]["jaeger"]) == {16686: 16686, 4317: 4317}
 
 
@@ -464,7 +466,9 @@ def test_k8s_model_deployment(monkeypatch, manifests, role):
         assert ports["metrics"] == settings.verifier.metrics_port
         annotations = deployment["spec"]["template"]["metadata"].get("annotations", {})
         assert annotations.get("prometheus.io/port") == str(settings.verifier.metrics_port)
-    assert set(ports) <= {"grpc", "metrics"}
+    if role == "gateway":
+        assert ports["http"] == settings.gateway.http_port
+    assert set(ports) <= {"grpc", "metrics", "http"}
     probes = [k for k in container if k.endswith("Probe")]
     assert {"readinessProbe", "livenessProbe"} <= set(probes)
     for probe in probes:
@@ -508,14 +512,18 @@ def test_k8s_verifiers_scale_out_and_the_gateway_is_a_cluster_service(monkeypatc
     assert gateway["spec"].get("type", "ClusterIP") == "ClusterIP"
     deployment, _, port = route(manifests, "gateway", GATEWAY_PUBLIC_PORT)
     assert deployment["metadata"]["name"] == "gateway"
-    assert port == k8s_settings(monkeypatch, manifests, "gateway").port
+    settings = k8s_settings(monkeypatch, manifests, "gateway")
+    assert port == settings.port
+    _, _, http_port = route(manifests, "gateway", HTTP_PUBLIC_PORT)
+    assert http_port == settings.gateway.http_port
 
 
 def test_compose_and_k8s_agree_on_ports_and_model(monkeypatch, compose, manifests):
     for role in ROLES:
         ours = compose_settings(monkeypatch, compose, role)
         theirs = k8s_settings(monkeypatch, manifests, role)
-        assert (ours.port, ours.model, ours.dtype) == (theirs.port, theirs.model, theirs.dtype)
+        assert (ours.port, ours.model, ours.dtype, ours.gateway) == \
+            (theirs.port, theirs.model, theirs.dtype, theirs.gateway)
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")

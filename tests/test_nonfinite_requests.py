@@ -4,10 +4,7 @@ the next good request exactly as before.
 
 One embedded mesh (SmolLM2-135M, a 4-layer truncated draft) serves its gateway, router and drafter
 servicers over real gRPC on a free port; every case shares it and asks for 4 tokens."""
-import asyncio
 import math
-import threading
-from concurrent.futures import Future
 
 import grpc
 import pytest
@@ -24,6 +21,7 @@ from specmesh_services.drafter.engine import DraftJob, check_job
 from specmesh_services.drafter.servicer import SERVICE_NAME as DRAFTER
 from specmesh_services.embedded import EmbeddedMesh
 from specmesh_services.router.servicer import SERVICE_NAME as ROUTER, RouterServicer
+from threaded import served
 
 BAD = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 PROMPT = "The capital of France is"
@@ -96,10 +94,8 @@ def mesh_port(base_settings, compute):
     """Port of a gRPC server with an embedded mesh's gateway, router and drafter servicers; the
     mesh and the server run on their own event loop in a thread."""
     settings = base_settings.with_overrides(drafters=["layers:4"], **{"speculation.depth": 2})
-    port: Future = Future()
-    stop: Future = Future()  # the callback that ends serve()
 
-    async def serve():
+    async def serve(publish, stop):
         async with EmbeddedMesh.start(settings, compute) as mesh:
             router = mesh.router
             served = ServedModel(settings.model, router.tokenizer, router.target.context_length,
@@ -111,25 +107,12 @@ def mesh_port(base_settings, compute):
                 (router_pb2_grpc.add_RouterServicer_to_server, router_servicer, ROUTER),
                 (drafter_pb2_grpc.add_DrafterServicer_to_server, mesh.drafter, DRAFTER),
             ], "127.0.0.1", 0)
-            done = asyncio.Event()
-            loop = asyncio.get_running_loop()
-            stop.set_result(lambda: loop.call_soon_threadsafe(done.set))
-            port.set_result(bound)
-            await done.wait()
+            publish(bound)
+            await stop.wait()
             await server.stop(None)
 
-    def run():
-        try:
-            asyncio.run(serve())
-        except BaseException as exc:  # noqa: BLE001 - reported to the waiting fixture
-            if not port.done():
-                port.set_exception(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    yield port.result(timeout=600)
-    stop.result()()
-    thread.join(timeout=60)
+    with served(serve) as port:
+        yield port
 
 
 @pytest.fixture(scope="module")

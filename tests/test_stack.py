@@ -51,7 +51,7 @@ def stack(base_settings, redis_server, collector, tmp_path_factory, small_datast
            # for its models), with adaptive tree sizes
            "speculation.selection": "lbss", "speculation.voting": True,
            "speculation.slot_s": 0.5, "speculation.tree_size": "adaptive",
-           "datastore.path": small_datastore,
+           "datastore.path": small_datastore, "gateway.http_port": 0,
            "telemetry.otlp_endpoint": f"127.0.0.1:{collector.port}"})
     s = Stack(settings, free_port(), tmp_path_factory.mktemp("stack-logs"))
     try:
@@ -84,6 +84,24 @@ def test_multiprocess_greedy_equals_target_generate(stack, questions, hf_greedy_
     arms = {d.arm for o in outputs for d in o.stats.decisions[1:]}
     assert arms <= {"datastore", "smollm2-135m:layers=24", "heads", "vote"} and len(arms) > 1, \
         arms
+
+
+def test_openai_client_through_the_stack_equals_the_grpc_api(stack, client):
+    """The gateway process's HTTP API (the official `openai` client) gives the gRPC API's
+    greedy output and statistics, streamed or not."""
+    import openai
+
+    oai = openai.OpenAI(base_url=stack.http_url, api_key="unused", max_retries=0, timeout=300)
+    messages = [{"role": "user", "content": "What is a river?"}]
+    reference = client.chat(messages, max_tokens=24)
+    reply = oai.chat.completions.create(model="", messages=messages, temperature=0,
+                                        max_tokens=24)
+    assert reply.choices[0].message.content == reference.text
+    assert reply.usage.completion_tokens == len(reference.token_ids)
+    streamed = oai.completions.create(model="", prompt="The sky is", temperature=0,
+                                      max_tokens=8, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == \
+        client.generate("The sky is", max_tokens=8).text
 
 
 INVALID = [

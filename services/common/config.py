@@ -24,6 +24,7 @@ from pydantic_settings import (BaseSettings, EnvSettingsSource, NoDecode,
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_GATEWAY_PORT = 50051
+DEFAULT_HTTP_PORT = 8000
 ENV_PREFIX = "SPECMESH_"
 
 
@@ -106,6 +107,15 @@ class DatastoreSettings(Section):
                                                  "continuations than this were found")
     index_ttl_s: float = Field(600.0, gt=0, description="drop a request's prompt/output index "
                                                         "after this long without a lookup")
+
+
+class GatewaySettings(Section):
+    """The gateway's OpenAI-compatible HTTP API (beside its gRPC API on `port`)."""
+
+    http_port: int | None = Field(DEFAULT_HTTP_PORT, ge=0, le=65535, description="port of the "
+                                  "OpenAI-compatible HTTP API (/v1/completions, "
+                                  "/v1/chat/completions, /v1/models, /health); 0 = any free "
+                                  "port, null = no HTTP")
 
 
 class TelemetrySettings(Section):
@@ -235,6 +245,7 @@ class Settings(BaseSettings):
     drafter_address: str = Field("127.0.0.1:50053", description="router -> drafter")
     datastore_address: str = Field("127.0.0.1:50055", description="router -> datastore")
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     verifier: VerifierSettings = Field(default_factory=VerifierSettings)
     datastore: DatastoreSettings = Field(default_factory=DatastoreSettings)
     router: RouterSettings = Field(default_factory=RouterSettings)
