@@ -228,6 +228,23 @@ def test_split_cores_pin_the_verifier_and_the_drafter_apart(stack):
         assert thread_cores(child(stack, role).process.pid) == {own, every}, role
 
 
+def test_every_service_lists_itself_by_reflection(stack):
+    """What `grpcurl -plaintext HOST:PORT list` prints, through the reflection client; and a
+    method's request type resolves (what `grpcurl describe` and calls need)."""
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase)
+
+    common = {"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
+    for c in stack.children:
+        with grpc.insecure_channel(f"127.0.0.1:{c.port}") as channel:
+            database = ProtoReflectionDescriptorDatabase(channel)
+            services = set(database.get_services())
+            own = f"specmesh.v1.{c.role.capitalize()}"
+            assert services == common | {own}, (c.role, services)
+            found = database.FindFileContainingSymbol(own)
+            assert found.name.startswith("specmesh/v1/"), found.name
+
+
 def test_drafter_reports_its_models_and_their_measured_cost(stack):
     """The router's estimate of a model's drafting cost before it has timed drafts."""
     with grpc.insecure_channel(f"127.0.0.1:{child(stack, 'drafter').port}") as channel:

@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from specmesh_services.common import telemetry
 
@@ -83,14 +84,17 @@ def rpc_errors(method: Callable) -> Callable:
 
 async def start_server(register: Sequence[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]],
                        host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    """Starts a grpc.aio server with the given (add_fn, servicer, full service name) entries and
-    grpc.health.v1 (each service and "" SERVING); returns the server and its bound port."""
+    """Starts a grpc.aio server with the given (add_fn, servicer, full service name) entries,
+    grpc.health.v1 (each service and "" SERVING) and server reflection (grpcurl lists and calls
+    them); returns the server and its bound port."""
     server = grpc.aio.server(interceptors=telemetry.server_interceptors(),
                              options=[("grpc.so_reuseport", 0)])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for add_fn, servicer, _ in register:
         add_fn(servicer, server)
+    reflection.enable_server_reflection(
+        [name for _, _, name in register] + [health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
