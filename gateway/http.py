@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 import uvicorn
+from prometheus_client import CollectorRegistry, make_asgi_app
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -60,11 +61,14 @@ class HttpError(Exception):
 
 
 def create_app(servicer, ready: Callable[[], Awaitable[bool]] | None = None,
-               api_keys: frozenset[str] = frozenset()) -> FastAPI:
+               api_keys: frozenset[str] = frozenset(),
+               registry: CollectorRegistry | None = None) -> FastAPI:
     """The HTTP API over a GatewayServicer. `ready` answers /health; `api_keys`, when not empty,
-    are the Bearer tokens /v1 accepts."""
+    are the Bearer tokens /v1 accepts; `registry`, when given, is served at /metrics."""
     app = FastAPI(title="specmesh", description="OpenAI-compatible API of a specmesh gateway",
                   docs_url=None, redoc_url=None)
+    if registry is not None:
+        app.mount("/metrics", make_asgi_app(registry))
     model = servicer.model
 
     async def authorized(request: Request) -> None:

@@ -15,10 +15,8 @@ from dataclasses import dataclass, field
 
 from google.protobuf.json_format import MessageToDict
 
+from specmesh.types import finish_reason_name
 from specmesh.v1 import common_pb2
-
-FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
-
 
 def usage(stats: common_pb2.GenerationStats) -> dict:
     accepted = int(stats.accepted_tokens)
@@ -79,7 +77,7 @@ class Reply:
         self.texts.append(chunk.text)
         self.stats = chunk.stats
         if chunk.finish_reason:
-            self.finish = FINISH_REASONS.get(chunk.finish_reason, "stop")
+            self.finish = finish_reason_name(chunk.finish_reason)
 
     def _head(self, stream: bool) -> dict:
         kind = ("chat.completion" if self.chat else "text_completion") + \

@@ -8,7 +8,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specmesh_gateway import http
 from specmesh_gateway.requests import ServedModel
 from specmesh_gateway.servicer import SERVICE_NAME, GatewayServicer
-from specmesh_services.common import models, serving
+from specmesh_services.common import metrics, models, serving
 from specmesh_services.common.config import Settings
 from specmesh_services.common.rpc import channel, start_server
 from specmesh.v1 import gateway_pb2_grpc, router_pb2_grpc
@@ -43,7 +43,8 @@ async def start(settings: Settings):
         settings.host, settings.port)
     stop_http = None
     if settings.gateway.http_port is not None:
-        app = http.create_app(servicer, ready=router_ready(router_channel))
+        app = http.create_app(servicer, ready=router_ready(router_channel),
+                              registry=metrics.process_registry())
         http_port, stop_http = await http.serve(app, settings.host, settings.gateway.http_port)
         print(f"gateway HTTP (OpenAI-compatible) on http://{settings.host}:{http_port}/v1",
               flush=True)

@@ -16,10 +16,13 @@ from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
+from prometheus_client import CollectorRegistry
+
 from specmesh_gateway.requests import ServedModel
 from specmesh_gateway.servicer import GatewayServicer
 from specmesh_services.common import cores, models, serving
 from specmesh_services.common.config import Settings
+from specmesh_services.common.metrics import RouterMetrics, VerifierMetrics
 from specmesh_services.common.drafts import router_drafters, serves_drafter
 from specmesh_services.common.pool import MemoryPool
 from specmesh_services.common.rpc import LocalStub
@@ -83,7 +86,9 @@ class EmbeddedMesh:
         pool = MemoryPool()
         engine = await loop.run_in_executor(executor, build_engine, target, settings,
                                             "verifier-embedded")
-        worker = VerifierWorker(engine, pool, executor, settings.verifier)
+        registry = CollectorRegistry()  # the mesh's roles' metrics (router.metrics.registry)
+        worker = VerifierWorker(engine, pool, executor, settings.verifier,
+                                VerifierMetrics(registry, settings.model))
         drafter = DrafterServicer(drafts, draft_executor) if use_model else None
         info = TargetInfo(settings.model, target.vocab_size, target.context_length,
                           tuple(models.eos_token_ids(path, tokenizer)))
@@ -95,7 +100,8 @@ class EmbeddedMesh:
                         drafter_name=first, drafter_names=names,
                         drafter_costs={m.name: m.level_seconds for m in drafts},
                         drafter_prefill={m.name: m.prefill_token_seconds for m in drafts},
-                        pipelined=placement.split)
+                        pipelined=placement.split,
+                        metrics=RouterMetrics(registry, settings.model))
         served = ServedModel(settings.model, tokenizer, target.context_length,
                              settings.max_tokens_default, settings.max_tokens_limit)
         gateway = LocalStub(GatewayServicer(LocalStub(RouterServicer(router)), served))

@@ -29,7 +29,7 @@ class Flag(NamedTuple):
 
 GROUPS: dict[str, tuple[str, tuple[Flag, ...]]] = {
     "service": ("service (where it listens, whom it calls)", (
-        Flag("host"), Flag("port"), Flag("redis_url", metavar="URL"),
+        Flag("host"), Flag("port"), Flag("metrics_port", metavar="PORT"), Flag("redis_url", metavar="URL"),
         Flag("router_address", metavar="HOST:PORT"), Flag("drafter_address", metavar="HOST:PORT"),
         Flag("datastore_address", metavar="HOST:PORT"))),
     "pool": ("pool", (Flag("redis_url", metavar="URL"),)),
@@ -50,8 +50,7 @@ GROUPS: dict[str, tuple[str, tuple[Flag, ...]]] = {
         Flag("verifier.kv_budget_tokens", metavar="N"), Flag("verifier.attention"),
         Flag("verifier.exact", "--exact"), Flag("verifier.prune", metavar="off|on|DIR"),
         Flag("verifier.prune_top_k", "--prune-top-k", metavar="K"),
-        Flag("verifier.prune_layer", "--prune-layer", metavar="N"),
-        Flag("verifier.metrics_port", metavar="PORT"))),
+        Flag("verifier.prune_layer", "--prune-layer", metavar="N"))),
     "gateway": ("gateway (HTTP API)", (Flag("gateway.http_port", "--http-port", "PORT"),)),
     "placement": ("placement (CPU cores of the verifier and the drafters)", (
         Flag("cores"), Flag("drafter_cores", metavar="N"))),

@@ -52,6 +52,7 @@ class Child:
     port: int
     log: Path
     process: subprocess.Popen
+    metrics_port: int  # its Prometheus metrics: http://127.0.0.1:PORT/metrics
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -101,7 +102,9 @@ class Stack:
         self.settings = settings
 
     def spawn(self, role: str, port: int, settings: Settings) -> Child:
-        env = {**os.environ, **settings_env(settings.with_overrides(port=port))}
+        metrics_port = free_port()
+        env = {**os.environ, **settings_env(settings.with_overrides(port=port,
+                                                                    metrics_port=metrics_port))}
         if "OMP_NUM_THREADS" not in os.environ:
             placement = cores.plan(settings.cores, settings.drafter_cores)
             env["OMP_NUM_THREADS"] = str(placement.threads(role))
@@ -111,7 +114,7 @@ class Stack:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, env=env)
         out.close()
-        child = Child(role, port, log, process)
+        child = Child(role, port, log, process, metrics_port)
         self.children.append(child)
         return child
 
@@ -157,7 +160,9 @@ class Stack:
         return {"pid": os.getpid(), "gateway": f"127.0.0.1:{self.gateway_port}",
                 "http": self.http_url,
                 "redis_url": self.settings.redis_url, "log_dir": str(self.log_dir),
-                "children": {c.role: {"pid": c.process.pid, "port": c.port} for c in self.children}}
+                "children": {c.role: {"pid": c.process.pid, "port": c.port,
+                                      "metrics": f"http://127.0.0.1:{c.metrics_port}/metrics"}
+                             for c in self.children}}
 
 
 def prepare(settings: Settings) -> None:
@@ -207,6 +212,8 @@ def up(settings: Settings, port: int, detach: bool) -> int:
         print(f"starting specmesh ({settings.model}); logs in {log_dir}", flush=True)
         stack.start()
         state.write_text(json.dumps(stack.describe(), indent=1))
+        print("Prometheus metrics: " + ", ".join(f"{c.role} http://127.0.0.1:{c.metrics_port}"
+                                                 "/metrics" for c in stack.children), flush=True)
         print(f"specmesh is up: gateway on 127.0.0.1:{port}{_http_note(stack.http_url)}. Try: "
               f"specmesh generate \"Hello\" --address 127.0.0.1:{port}. Ctrl-C or `specmesh "
               f"down` stops it.", flush=True)

@@ -95,10 +95,11 @@ def test_the_flags_users_know_keep_their_names():
     model = {"--model", "--dtype", "--draft", "--draft-vocab", "--depth", "--width",
              "--min-probability", "--speculate", "--max-nodes", "--tree-size", "--select",
              "--vote", "--cache-dir", "--datastore-path", "--batch-size", "--max-batch-tokens",
-             "--kv-budget-tokens", "--attention", "--metrics-port", "--log-level",
+             "--kv-budget-tokens", "--attention", "--log-level",
              "--otlp-endpoint", "--trace-console"}
-    service = {"--host", "--port", "--redis-url", "--router-address", "--drafter-address",
-               "--datastore-address"}
+    # every served process's metrics (`specmesh up` gives each child a port of its own)
+    service = {"--host", "--port", "--metrics-port", "--redis-url", "--router-address",
+               "--drafter-address", "--datastore-address"}
     expected = {"run": model, "up": model | {"--redis-url"}, "serve": model | service,
                 "datastore": model, "models": {"--cache-dir"}, "down": {"--cache-dir"}}
     for command, names in expected.items():

@@ -336,6 +336,48 @@ def test_compose_publishes_the_gateway_and_jaeger(monkeypatch, compose):
     assert published_ports(compose["services"]["jaeger"]) == {16686: 16686, 4317: 4317}
 
 
+def test_compose_scrapes_every_service_and_provisions_the_dashboard(monkeypatch, compose):
+    """Prometheus scrapes each specmesh service on the port its settings serve metrics on;
+    Grafana mounts the provisioning (datasource = that Prometheus) and the dashboards."""
+    services = compose["services"]
+    prometheus = services["prometheus"]
+    mounts = dict(v.split(":")[:2] for v in prometheus["volumes"])
+    in_container = mounts["./deploy/prometheus/prometheus.yml"]
+    assert f"--config.file={in_container}" in prometheus["command"]
+    config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    discovery = config["scrape_configs"][0]["dns_sd_configs"][0]
+    assert set(discovery["names"]) == set(ROLES)
+    for role in ROLES:
+        assert compose_settings(monkeypatch, compose, role).metrics_port == discovery["port"]
+    grafana = services["grafana"]
+    mounted = {v.split(":")[0].removeprefix("./"): v.split(":")[1] for v in grafana["volumes"]}
+    assert mounted == {"deploy/grafana/provisioning": "/etc/grafana/provisioning",
+                       "deploy/grafana/dashboards": "/var/lib/grafana/dashboards"}
+    source = yaml.safe_load((ROOT / "deploy/grafana/provisioning/datasources/prometheus.yaml")
+                            .read_text())["datasources"][0]
+    assert source["url"] == f"http://prometheus:{published_ports(prometheus)[9090]}"
+    provider = yaml.safe_load((ROOT / "deploy/grafana/provisioning/dashboards/specmesh.yaml")
+                              .read_text())["providers"][0]
+    assert provider["options"]["path"] == "/var/lib/grafana/dashboards"
+
+
+def test_the_dashboard_asks_only_for_exported_metrics():
+    """Every metric a Grafana panel queries is one the services export (docs/metrics.md)."""
+    from test_metrics import exported
+
+    names = exported()
+    dashboard = json.loads((ROOT / "deploy/grafana/dashboards/specmesh.json").read_text())
+    queried = set()
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == "prometheus"
+            queried |= set(re.findall(r"(?:vllm:|specmesh[_:])[a-z0-9_:]*", target["expr"]))
+    unknown = {q for q in queried
+               if not any(q == n + suffix for n in names
+                          for suffix in ("", "_total", "_bucket", "_sum", "_count"))}
+    assert not unknown and len(queried) >= 15, unknown
+
+
 # ---------------------------------------------------------------------------------------------
 # deploy/k8s
 
@@ -462,10 +504,10 @@ def test_k8s_model_deployment(monkeypatch, manifests, role):
     assert str(settings.cache_dir) == dockerfile_env()["SPECMESH_CACHE_DIR"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports["grpc"] == settings.port
-    if settings.verifier.metrics_port is not None:  # Prometheus scrape target
-        assert ports["metrics"] == settings.verifier.metrics_port
-        annotations = deployment["spec"]["template"]["metadata"].get("annotations", {})
-        assert annotations.get("prometheus.io/port") == str(settings.verifier.metrics_port)
+    # every service is a Prometheus scrape target
+    assert ports["metrics"] == settings.metrics_port
+    annotations = deployment["spec"]["template"]["metadata"].get("annotations", {})
+    assert annotations.get("prometheus.io/port") == str(settings.metrics_port)
     if role == "gateway":
         assert ports["http"] == settings.gateway.http_port
     assert set(ports) <= {"grpc", "metrics", "http"}

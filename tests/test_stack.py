@@ -228,6 +228,60 @@ def test_split_cores_pin_the_verifier_and_the_drafter_apart(stack):
         assert thread_cores(child(stack, role).process.pid) == {own, every}, role
 
 
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of a /metrics page: (name, sorted labels) -> value."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def total(samples: dict, name: str, **labels) -> float:
+    """The sum of `name`'s samples whose labels include `labels`."""
+    return sum(v for (n, ls), v in samples.items()
+               if n == name and set(labels.items()) <= set(ls))
+
+
+def test_metrics_of_every_service_agree_with_the_requests_statistics(stack, client):
+    """Each process serves /metrics; the router's vLLM-named speculation counters, per-source
+    counters and request histograms, and the verifier's counters, move by exactly what the
+    requests' own statistics say."""
+    urls = {c.role: f"http://127.0.0.1:{c.metrics_port}/metrics" for c in stack.children}
+    before = {role: scrape(url) for role, url in urls.items()}
+    outs = [client.generate(p, max_tokens=16) for p in ("The sky is", "def add(a, b):",
+                                                       "Once upon a time")]
+    after = {role: scrape(url) for role, url in urls.items()}
+
+    def moved(role, name, **labels):
+        return total(after[role], name, **labels) - total(before[role], name, **labels)
+
+    drafted = sum(o.stats.draft_tokens for o in outs)
+    accepted = sum(o.stats.accepted_tokens for o in outs)
+    trees = sum(1 for o in outs for d in o.stats.decisions if d.tree_size)
+    assert drafted > 0
+    assert moved("router", "vllm:spec_decode_num_draft_tokens_total") == drafted
+    assert moved("router", "vllm:spec_decode_num_accepted_tokens_total") == accepted
+    assert moved("router", "vllm:spec_decode_num_drafts_total") == trees
+    assert moved("router", "vllm:spec_decode_num_accepted_tokens_per_pos_total") == accepted
+    assert moved("router", "specmesh:spec_decode_draft_tokens_by_source_total") == drafted
+    assert moved("router", "specmesh:spec_decode_accepted_tokens_by_source_total") == accepted
+    assert moved("router", "vllm:generation_tokens_total") == sum(len(o.token_ids) for o in outs)
+    assert moved("router", "vllm:e2e_request_latency_seconds_count") == len(outs)
+    assert moved("router", "vllm:time_to_first_token_seconds_count") == len(outs)
+    assert moved("router", "vllm:request_success_total", finished_reason="length") == len(outs)
+    assert moved("verifier", "specmesh_verifier_drafted_tokens_total") == drafted
+    assert moved("verifier", "specmesh_verifier_accepted_tokens_total") == accepted
+    assert 0 <= total(after["verifier"], "vllm:kv_cache_usage_perc") <= 1
+    # every service times the calls it serves (the drafter's and datastore's latency)
+    for role in urls:
+        assert total(after[role], "specmesh:rpc_server_seconds_count") > 0, role
+    assert moved("gateway", "specmesh:rpc_server_seconds_count",
+                 method="Generate", code="OK") == len(outs)
+
+
 def test_every_service_lists_itself_by_reflection(stack):
     """What `grpcurl -plaintext HOST:PORT list` prints, through the reflection client; and a
     method's request type resolves (what `grpcurl describe` and calls need)."""

@@ -1,4 +1,4 @@
-"""The verifier's Prometheus metrics (metrics.py): step histograms, KV gauges, early pruning's
+"""The verifier's Prometheus metrics (services/common/metrics.py): step histograms, KV gauges, early pruning's
 counts, and the fitted step-cost coefficients, which are computed when scraped rather than at
 every step."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from prometheus_client import generate_latest
 
 from specmesh_services.verifier.cost import VerifyCostModel
 from specmesh_services.verifier.engine import StepStats
-from specmesh_services.verifier.metrics import VerifierMetrics
+from specmesh_services.common.metrics import VerifierMetrics
 
 
 def sample(metrics: VerifierMetrics, name: str, labels: dict | None = None) -> float:

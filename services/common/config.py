@@ -151,7 +151,6 @@ class VerifierSettings(Section):
                              "token is among its parent's k likeliest by the early head")
     prune_layer: int | None = Field(None, ge=1, description="early pruning with prune=on: the "
                                     "cached early head of this layer (default: the lowest)")
-    metrics_port: int | None = Field(None, ge=0, description="serve Prometheus metrics here")
     claim_idle_s: float = Field(30.0, gt=0, description="re-claim drafts unacknowledged this long")
     batch_wait_s: float | None = Field(
         None, ge=0, description="with fewer trees in hand than requests it is serving, wait this "
@@ -241,6 +240,9 @@ class Settings(BaseSettings):
     max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens accepted")
     host: str = Field("127.0.0.1", description="interface services listen on")
     port: int = Field(0, ge=0, le=65535, description="port of this service (0 = any free port)")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="serve this process's "
+                                     "Prometheus metrics at http://host:PORT/metrics (0 = any "
+                                     "free port; docs/metrics.md lists them)")
     router_address: str = Field("127.0.0.1:50052", description="gateway -> router")
     drafter_address: str = Field("127.0.0.1:50053", description="router -> drafter")
     datastore_address: str = Field("127.0.0.1:50055", description="router -> datastore")

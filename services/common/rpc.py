@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from specmesh_services.common import telemetry
+from specmesh_services.common import metrics, telemetry
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,8 @@ async def start_server(register: Sequence[tuple[Callable[[Any, grpc.aio.Server],
     """Starts a grpc.aio server with the given (add_fn, servicer, full service name) entries,
     grpc.health.v1 (each service and "" SERVING) and server reflection (grpcurl lists and calls
     them); returns the server and its bound port."""
-    server = grpc.aio.server(interceptors=telemetry.server_interceptors(),
+    server = grpc.aio.server(interceptors=[*telemetry.server_interceptors(),
+                                           metrics.rpc_metrics()],
                              options=[("grpc.so_reuseport", 0)])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from specmesh_services.common import cores, telemetry
+from specmesh_services.common import cores, metrics, telemetry
 from specmesh_services.common.config import Settings
 from specmesh_services.common.rpc import start_server
 
@@ -89,6 +89,9 @@ def run_service(role: str, settings: Settings,
     async def main() -> None:
         server, port, cleanup = await start(settings)
         print(f"{role} listening on {settings.host}:{port}", flush=True)
+        if settings.metrics_port is not None:
+            bound = metrics.serve(metrics.process_registry(), settings.host, settings.metrics_port)
+            print(f"{role} metrics on http://{settings.host}:{bound}/metrics", flush=True)
         try:
             with frozen_heap():
                 await wait_for_signal()

@@ -30,6 +30,7 @@ from specmesh_services.common import telemetry
 from specmesh_services.common.config import RouterSettings, SpeculationSettings
 from specmesh_services.common.pool import Pool
 from specmesh_services.common.sampling import SamplingParams
+from specmesh_services.common.metrics import RouterMetrics
 from specmesh_services.router.arms import ArmSet
 from specmesh_services.router.batching import MicroBatcher
 from specmesh_services.router.pipeline import micro_batches
@@ -56,7 +57,7 @@ class Router:
                  drafter_names: list[str] | None = None,
                  drafter_costs: dict[str, float] | None = None,
                  drafter_prefill: dict[str, float] | None = None,
-                 pipelined: bool = False) -> None:
+                 pipelined: bool = False, metrics: RouterMetrics | None = None) -> None:
         """`drafter_name`: the model a fixed selection drafts with ("" = the drafter's first);
         `drafter_names`: every model drafter (default: that one); `drafter_costs`: seconds of
         one drafting forward of one request per draft model name (the drafter's
@@ -65,7 +66,8 @@ class Router:
         of a prefill per draft model name (`DraftModelInfo.prefill_token_seconds`), the
         selection's switching cost (SPIN eq. 6). `pipelined`: the drafters run beside the
         verifier (their own cores or device), so micro-batches of draft items overlap
-        verification (`router.micro_batches` unset: SPIN's heuristic decides how many)."""
+        verification (`router.micro_batches` unset: SPIN's heuristic decides how many).
+        `metrics`: where its Prometheus metrics go (default: a registry of its own)."""
         if speculation.source == "auto":
             raise ValueError("speculation.source=auto: resolve it for the model first "
                              "(models.served)")
@@ -99,6 +101,9 @@ class Router:
                 speculation.selection,
                 [Arm(a.name, a.capacity, a.prefill_token_seconds) for a in self.arms.selectable],
                 speculation.slot_s, epsilon=speculation.epsilon)
+        self.waiting = 0  # requests whose drafting waits for room in the pool
+        self.metrics = metrics or RouterMetrics(model=target.name)
+        self.metrics.track(lambda: len(self.batch), lambda: self.waiting)
         self.services = self._loop_services()
 
     def _loop_services(self) -> LoopServices:
@@ -120,7 +125,7 @@ class Router:
             tokenizer=self.tokenizer, target=self.target, arms=self.arms, batch=self.batch,
             sizing_for=self.sizing_for, selection=self.selection, voting=voting,
             verify=self.verify, wait_for_room=self.wait_for_room, drafter=self.drafter,
-            drafts=drafts, lookups=lookups)
+            drafts=drafts, lookups=lookups, metrics=self.metrics)
 
     def micro_batches(self, items: int) -> int:
         """The calls `items` draft items ready together go out in (SPIN V.B)."""
@@ -225,8 +230,14 @@ class Router:
         if not limit:
             return
         deadline = time.monotonic() + self.settings.step_timeout_s
-        while await self.pool.pending() >= limit and time.monotonic() < deadline:
-            await asyncio.sleep(0.002)
+        if await self.pool.pending() < limit:
+            return
+        self.waiting += 1
+        try:
+            while await self.pool.pending() >= limit and time.monotonic() < deadline:
+                await asyncio.sleep(0.002)
+        finally:
+            self.waiting -= 1
 
     def _validate(self, request: router_pb2.RouteRequest, prompt: list[int],
                   params: SamplingParams) -> None:

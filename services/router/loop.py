@@ -22,6 +22,7 @@ from opentelemetry import trace
 
 from specmesh_services.common import telemetry
 from specmesh_services.common.config import SpeculationSettings
+from specmesh_services.common.metrics import RouterMetrics
 from specmesh_services.common.text import TextStream
 from specmesh_services.router.arms import FIXED_ARM, ArmSet, DraftArm
 from specmesh_services.router.batching import MicroBatcher
@@ -31,6 +32,7 @@ from specmesh_services.router.selection import Selection
 from specmesh_services.router.stats import RequestStats
 from specmesh_services.router.steps import BatchShare, StepChoice, VerifyStep
 from specmesh_services.router.voting import BatchedVoter
+from specmesh.types import finish_reason_name
 from specmesh.v1 import common_pb2, pool_pb2, router_pb2
 
 tracer = telemetry.tracer(__name__)
@@ -121,6 +123,7 @@ class LoopServices:
     drafter: Any  # the drafter service (its Prefill)
     drafts: MicroBatcher  # the drafter's Draft calls, micro-batched
     lookups: MicroBatcher  # the datastore's Lookup calls, micro-batched
+    metrics: RouterMetrics  # the router's Prometheus metrics
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,7 @@ class RequestLoop:
         self.speculating = services.speculation.depth > 0
         self.sizings: dict[str, RequestSizing] = {}  # per arm
         self.decisions: list[common_pb2.StepDecision] = []
+        self.last_chunk = 0.0  # perf_counter of the last chunk streamed (inter-token latency)
         self.drafting = DraftStage(services, request_id, lambda: self.prompt + self.generated,
                                    sampling)
 
@@ -254,6 +258,10 @@ class RequestLoop:
         if drafted.vote is not None:
             self.services.voting.observe(drafted.vote, emitted)
         self.stats.observe_step(len(tree), len(result.accepted), choice.expected_length)
+        if len(tree):
+            self.services.metrics.observe_step(tree, result.accepted)
+        elif plan.step:
+            self.services.metrics.observe_plain()
         trace.get_current_span().add_event("router.step", {
             "specmesh.step": plan.step, "specmesh.arm": arm, "specmesh.budget": choice.budget,
             "specmesh.tree_size": len(tree), "specmesh.expected_length": choice.expected_length,
@@ -279,8 +287,13 @@ class RequestLoop:
         self.stats.observe_emitted(len(out))
         text = self.text.finish() if finish else self.text.take()
         stats = self.stats.to_pb()
+        metrics, now = self.services.metrics, time.perf_counter()
+        metrics.observe_chunk(len(out), now - self.last_chunk if self.last_chunk else None)
+        self.last_chunk = now
         if finish:  # the per-step record goes out once, with the last chunk
             stats.decisions.extend(self.decisions)
+            metrics.observe_finished(stats.prompt_tokens, stats.time_to_first_token_s,
+                                     stats.total_time_s, finish_reason_name(finish))
         return router_pb2.RouteChunk(token_ids=out, text=text, finish_reason=finish,
                                      stats=stats)
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import grpc
 
-from specmesh_services.common import cores, models, pool as pool_mod, serving
+from specmesh_services.common import cores, metrics, models, pool as pool_mod, serving
+from specmesh_services.common.metrics import RouterMetrics
 from specmesh_services.common.config import Settings
 from specmesh_services.common.rpc import channel, start_server
 from specmesh_services.common.datastore_files import tokenizer_family
@@ -72,7 +73,8 @@ async def start(settings: Settings):
                     settings.speculation, settings.router, datastore=datastore,
                     drafter_name=first, drafter_names=names, drafter_costs=costs,
                     drafter_prefill=prefill,
-                    pipelined=cores.plan(settings.cores, settings.drafter_cores).split)
+                    pipelined=cores.plan(settings.cores, settings.drafter_cores).split,
+                    metrics=RouterMetrics(metrics.process_registry(), settings.model))
     router.start()
     server, port = await start_server(
         [(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(router), SERVICE_NAME)],

@@ -7,12 +7,13 @@ from pathlib import Path
 
 import torch
 
-from specmesh_services.common import models, pool as pool_mod, serving
+from specmesh_services.common import metrics, models, pool as pool_mod, serving
 from specmesh_services.common.config import Settings
 from specmesh_services.common.drafts import heads_spec, serves_heads
 from specmesh_services.common.lean import LeanDecoder
 from specmesh_services.common.lean import supports as lean_supports
 from specmesh_services.common.lm import CausalLM
+from specmesh_services.common.metrics import VerifierMetrics
 from specmesh_services.common.rpc import start_server
 from specmesh_kernels.backend import select_attention_backend
 from specmesh_kernels.linear import exact_int4, native_supports
@@ -144,10 +145,8 @@ async def start(settings: Settings):
     lm = await asyncio.get_running_loop().run_in_executor(executor, load_target, settings)
     pool = pool_mod.connect(settings.redis_url, settings.pool_prefix)
     engine = build_engine(lm, settings, settings.verifier.name or default_name())
-    worker = VerifierWorker(engine, pool, executor, settings.verifier)
-    if settings.verifier.metrics_port is not None:
-        worker.metrics.serve(settings.verifier.metrics_port, settings.host)
-        log.info("Prometheus metrics on %s:%d", settings.host, settings.verifier.metrics_port)
+    worker = VerifierWorker(engine, pool, executor, settings.verifier,
+                            VerifierMetrics(metrics.process_registry(), settings.model))
     worker.start()
     server, port = await start_server(
         [(verifier_pb2_grpc.add_VerifierServicer_to_server,

@@ -32,7 +32,7 @@ from specmesh_services.common import telemetry
 from specmesh_services.common.config import VerifierSettings
 from specmesh_services.common.pool import Pool, Taken
 from specmesh_services.verifier.engine import VerifierEngine
-from specmesh_services.verifier.metrics import VerifierMetrics
+from specmesh_services.common.metrics import VerifierMetrics
 
 log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)
@@ -83,6 +83,7 @@ class VerifierWorker:
                 if time.monotonic() >= next_claim:
                     fresh = await self.pool.claim_stale(self.name, self.settings.claim_idle_s,
                                                         count)
+                    self.metrics.reclaimed.inc(len(fresh))
                     next_claim = time.monotonic() + self.settings.claim_idle_s / 2
                 if not fresh:
                     fresh = await self.pool.take(self.name, count, block_s=wait)
@@ -174,6 +175,7 @@ class VerifierWorker:
         while True:
             try:
                 cursor, ids = await self.pool.releases(cursor, block_s=1.0)
+                self.metrics.pool_pending.set(await self.pool.pending())
                 for request_id in ids:  # on the compute thread: never under a running step
                     self._serving.pop(request_id, None)
                     self._turnaround.pop(request_id, None)
