@@ -1,5 +1,6 @@
-"""The metric names: every one the services export is listed in docs/metrics.md, and the page
-lists no other; the router's per-source counting follows the accepted path through a tree."""
+"""The metric and span attribute names: every metric the services export is listed in
+docs/metrics.md and the page lists no other; every span attribute is in docs/tracing.md; the
+router's per-source counting follows the accepted path through a tree."""
 import re
 from pathlib import Path
 
@@ -40,3 +41,12 @@ def test_sources_are_counted_along_the_accepted_path():
     assert value("specmesh:spec_decode_accepted_tokens_by_source_total", source="datastore") == 1
     assert value("vllm:spec_decode_num_accepted_tokens_per_pos_total", position="1") == 1
     assert value("vllm:spec_decode_num_drafts_total") == 1
+
+
+def test_every_span_attribute_the_code_sets_is_documented():
+    root = DOC.parents[1]
+    used = {m for folder in ("services", "gateway") for path in (root / folder).rglob("*.py")
+            for m in re.findall(r'"(specmesh\.[a-z_]+)"', path.read_text())}
+    table = (root / "docs" / "tracing.md").read_text().split("## Span attributes", 1)[1]
+    documented = set(re.findall(r"`(specmesh\.[a-z_]+)`", table.split("## Metrics", 1)[0]))
+    assert used == documented

@@ -42,6 +42,13 @@ def test_each_step_has_its_draft_and_verify_spans_under_the_request(run):
         drafts = [s for s in children if s.name == "router.draft"]
         assert len(verifies) == out.stats.steps, "one verify round trip per step"
         assert len(drafts) == out.stats.steps - 1, "a tree drafted every step but the first"
+        # each verification step's span: its tree, what was accepted, who drafted it
+        outcome = [(s.attributes["specmesh.tree_size"], s.attributes["specmesh.accepted"])
+                   for s in sorted(verifies, key=lambda s: s.attributes["specmesh.step"])]
+        assert outcome == [(d.tree_size, max(d.emitted - 1, 0)) for d in out.stats.decisions]
+        assert all(s.attributes["specmesh.prespeculated"] == "none" for s in verifies)
+        assert {tuple(s.attributes["specmesh.sources"]) for s in verifies
+                if s.attributes["specmesh.tree_size"]} == {("smollm2-135m:layers=8",)}
         assert all(request.start_time <= s.start_time and s.end_time <= request.end_time
                    for s in children)
 

@@ -226,15 +226,20 @@ class RequestLoop:
     async def submit(self, plan: Plan, drafted: Drafted) -> pool_pb2.VerifyResult:
         """The tree's round trip: into the pool, verified, its result back."""
         choice = plan.choice
-        with tracer.start_as_current_span("router.verify", attributes={"specmesh.step": plan.step}):
+        with tracer.start_as_current_span("router.verify", attributes={
+                "specmesh.step": plan.step, "specmesh.tree_size": len(drafted.tree),
+                "specmesh.sources": list(drafted.tree.source_names),
+                "specmesh.prespeculated": drafted.prespeculated or "none"}) as span:
             heads_nodes = self._heads_nodes(choice)
             self.drafting.verifying(drafted, plan.arm)
-            return await self.services.verify(
+            result = await self.services.verify(
                 self.request_id, plan.step, len(self.generated), drafted.pb,
                 {"specmesh.arm": plan.arm_name, "specmesh.budget": choice.budget,
                  "specmesh.probe": choice.probe, "specmesh.expected_length": choice.expected_length,
                  "specmesh.drafters": drafted.drafters},
                 heads_nodes=heads_nodes)
+            span.set_attribute("specmesh.accepted", len(result.accepted))
+            return result
 
     def observe(self, plan: Plan, drafted: Drafted, result: pool_pb2.VerifyResult) -> list[int]:
         """What came of the step, learnt by the sizing, the selection and the vote and recorded

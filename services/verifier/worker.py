@@ -239,6 +239,7 @@ class VerifierWorker:
         span = tracer.start_span("verifier.verify", context=telemetry.extract(entry.trace_context))
         span.set_attributes({"specmesh.request_id": entry.request_id, "specmesh.step": entry.step,
                              "specmesh.tree_size": len(entry.tree.tokens),
+                             "specmesh.sources": list(entry.tree.source_names),
                              "specmesh.deliveries": taken.deliveries,
                              "specmesh.batch_size": batch_size})
         return span
