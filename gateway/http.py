@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,7 +23,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from specmesh_gateway.openai_responses import Reply, error_body, sse
 from specmesh_gateway.openai_schema import ChatCompletionRequest, CompletionRequest, UnsupportedField
+from specmesh_services.common.config import TlsSettings
 from specmesh_services.common.rpc import status_of
+from specmesh_services.common.security import bearer_ok
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +73,7 @@ def create_app(servicer, ready: Callable[[], Awaitable[bool]] | None = None,
     model = servicer.model
 
     async def authorized(request: Request) -> None:
-        if not api_keys:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not any(hmac.compare_digest(token.encode(), k.encode())
-                                                 for k in api_keys):
+        if api_keys and not bearer_ok(request.headers.get("authorization"), api_keys):
             raise HttpError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                             code="invalid_api_key")
 
@@ -167,9 +164,11 @@ class _Server(uvicorn.Server):
         return contextlib.nullcontext()
 
 
-async def serve(app: FastAPI, host: str, port: int) -> tuple[int, Callable[[], Awaitable[None]]]:
-    """Serves `app` on host:port (0 = any free port) in the running loop; returns the bound
-    port and a coroutine function that stops it."""
+async def serve(app: FastAPI, host: str, port: int, tls: TlsSettings | None = None
+                ) -> tuple[int, Callable[[], Awaitable[None]]]:
+    """Serves `app` on host:port (0 = any free port) in the running loop, over HTTPS with the
+    service's certificate when `tls` is enabled; returns the bound port and a coroutine
+    function that stops it."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -177,8 +176,10 @@ async def serve(app: FastAPI, host: str, port: int) -> tuple[int, Callable[[], A
     except OSError as err:
         sock.close()
         raise OSError(f"cannot serve HTTP on {host}:{port}: {err}") from err
+    https = {"ssl_certfile": str(tls.cert_file), "ssl_keyfile": str(tls.key_file)} \
+        if tls is not None and tls.enabled else {}
     server = _Server(uvicorn.Config(app, log_level="warning", lifespan="off",
-                                    timeout_graceful_shutdown=3))
+                                    timeout_graceful_shutdown=3, **https))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         if task.done():

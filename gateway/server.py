@@ -2,16 +2,20 @@
 API on `gateway.http_port`, both over one GatewayServicer."""
 from __future__ import annotations
 
+import logging
+
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specmesh_gateway import http
 from specmesh_gateway.requests import ServedModel
 from specmesh_gateway.servicer import SERVICE_NAME, GatewayServicer
-from specmesh_services.common import metrics, models, serving
+from specmesh_services.common import metrics, models, security, serving
 from specmesh_services.common.config import Settings
 from specmesh_services.common.rpc import channel, start_server
 from specmesh.v1 import gateway_pb2_grpc, router_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 
 def served_model(settings: Settings) -> ServedModel:
@@ -36,17 +40,23 @@ def router_ready(router_channel: grpc.aio.Channel):
 
 
 async def start(settings: Settings):
-    router_channel = channel(settings.router_address)
+    keys = security.api_keys(settings.gateway)
+    if keys:
+        log.info("API keys required: %d accepted", len(keys))
+    router_channel = channel(settings.router_address, settings.tls)
     servicer = GatewayServicer(router_pb2_grpc.RouterStub(router_channel), served_model(settings))
     server, port = await start_server(
         [(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer, SERVICE_NAME)],
-        settings.host, settings.port)
+        settings.host, settings.port, settings.tls,
+        [security.ApiKeyInterceptor(keys, [SERVICE_NAME])])
     stop_http = None
     if settings.gateway.http_port is not None:
-        app = http.create_app(servicer, ready=router_ready(router_channel),
+        app = http.create_app(servicer, ready=router_ready(router_channel), api_keys=keys,
                               registry=metrics.process_registry())
-        http_port, stop_http = await http.serve(app, settings.host, settings.gateway.http_port)
-        print(f"gateway HTTP (OpenAI-compatible) on http://{settings.host}:{http_port}/v1",
+        http_port, stop_http = await http.serve(app, settings.host, settings.gateway.http_port,
+                                                settings.tls)
+        scheme = "https" if settings.tls.enabled else "http"
+        print(f"gateway HTTP (OpenAI-compatible) on {scheme}://{settings.host}:{http_port}/v1",
               flush=True)
 
     async def cleanup() -> None:

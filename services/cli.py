@@ -66,6 +66,34 @@ def _request_kwargs(args: argparse.Namespace) -> dict:
     return kwargs
 
 
+def _client_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("security (a gateway with TLS or API keys)")
+    g.add_argument("--tls-dir", type=Path, help="a secure stack's folder (`specmesh up --secure` "
+                   "prints it): its CA, client certificate and API key")
+    g.add_argument("--api-key-file", type=Path, help="a file holding the API key [env "
+                   "SPECMESH_API_KEY]")
+
+
+def _client_security(args: argparse.Namespace):
+    """(channel credentials or None, API key or None) from --tls-dir / --api-key-file / the
+    SPECMESH_API_KEY variable."""
+    import os
+
+    import grpc
+
+    credentials, key = None, os.environ.get("SPECMESH_API_KEY")
+    folder = getattr(args, "tls_dir", None)
+    if folder is not None:
+        credentials = grpc.ssl_channel_credentials((folder / "ca.pem").read_bytes(),
+                                                   (folder / "service-key.pem").read_bytes(),
+                                                   (folder / "service.pem").read_bytes())
+        if (folder / "api_key").is_file():
+            key = (folder / "api_key").read_text().strip()
+    if getattr(args, "api_key_file", None) is not None:
+        key = args.api_key_file.read_text().strip()
+    return credentials, key
+
+
 def _print_stats(stats, finish: str | None) -> None:
     tps = stats.completion_tokens / stats.total_time_s if stats.total_time_s else 0.0
     print(f"\n[{stats.completion_tokens} tokens in {stats.total_time_s:.2f} s ({tps:.1f} tok/s), "
@@ -107,7 +135,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from specmesh import Client, SpecmeshError
 
     kwargs = _request_kwargs(args)
-    with Client(args.address, timeout=args.timeout) as client:
+    try:
+        credentials, api_key = _client_security(args)
+    except OSError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    with Client(args.address, timeout=args.timeout, credentials=credentials,
+                api_key=api_key) as client:
         try:
             if args.stream:
                 last = None
@@ -133,7 +167,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from specmesh_services import stack
 
-    return stack.up(settings_from(args), port=args.port, detach=args.detach)
+    return stack.up(settings_from(args), port=args.port, detach=args.detach, secure=args.secure)
 
 
 def cmd_down(args: argparse.Namespace) -> int:
@@ -308,7 +342,9 @@ def cmd_health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(args.address) as channel:
+    credentials, _ = _client_security(args)
+    with (grpc.secure_channel(args.address, credentials) if credentials is not None
+          else grpc.insecure_channel(args.address)) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
@@ -365,6 +401,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Ctrl-C or `specmesh down` stops them all.")
     p.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT, help="gateway port [50051]")
     p.add_argument("--detach", action="store_true", help="return once the stack is up")
+    p.add_argument("--secure", action="store_true",
+                   help="TLS (mutual) between all services and on the gateway, an API key on the "
+                        "gateway, Redis with a password over TLS: a local CA and the key are made "
+                        "once in <run dir>/tls")
     add_setting_flags(p, "up")
     p.set_defaults(func=cmd_up)
 
@@ -380,6 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds [600]")
     _sampling_flags(p)
+    _client_flags(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("models", help="list or prepare models",
@@ -398,6 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", default=f"127.0.0.1:{DEFAULT_GATEWAY_PORT}", help="host:port")
     p.add_argument("--service", default="", help="service name, e.g. specmesh.v1.Router [all]")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds [3]")
+    _client_flags(p)
     p.set_defaults(func=cmd_health)
 
     p = sub.add_parser("serve", help="run one service",

@@ -52,6 +52,10 @@ GROUPS: dict[str, tuple[str, tuple[Flag, ...]]] = {
         Flag("verifier.prune_top_k", "--prune-top-k", metavar="K"),
         Flag("verifier.prune_layer", "--prune-layer", metavar="N"))),
     "gateway": ("gateway (HTTP API)", (Flag("gateway.http_port", "--http-port", "PORT"),)),
+    "security": ("security (TLS between services, the gateway's API keys)", (
+        Flag("tls.cert_file", "--tls-cert", "FILE"), Flag("tls.key_file", "--tls-key", "FILE"),
+        Flag("tls.ca_file", "--tls-ca", "FILE"), Flag("tls.mutual", "--tls-mutual"),
+        Flag("gateway.api_keys_file", "--api-keys-file", "FILE"))),
     "placement": ("placement (CPU cores of the verifier and the drafters)", (
         Flag("cores"), Flag("drafter_cores", metavar="N"))),
     "operations": ("operations", (
@@ -63,13 +67,14 @@ GROUPS: dict[str, tuple[str, tuple[Flag, ...]]] = {
 COMMANDS: dict[str, tuple[str, ...]] = {
     "run": ("model", "datastore", "verifier", "placement", "operations"),
     "up": ("pool", "gateway", "model", "datastore", "verifier", "placement", "operations"),
-    "serve": ("service", "gateway", "model", "datastore", "verifier", "placement", "operations"),
+    "serve": ("service", "gateway", "security", "model", "datastore", "verifier", "placement",
+              "operations"),
     "datastore": ("model", "datastore", "verifier", "operations"),
     "heads": ("target",),
     "models": ("files",),
     "down": ("files",),
-    "config show": ("service", "gateway", "model", "datastore", "verifier", "placement",
-                    "operations"),
+    "config show": ("service", "gateway", "security", "model", "datastore", "verifier",
+                    "placement", "operations"),
 }
 
 FIELDS: dict[str, FieldInfo] = dict(setting_fields())

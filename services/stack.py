@@ -12,17 +12,19 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specmesh_services.common import cores, models
+from specmesh_services.common import cores, models, security
 from specmesh_services.common.config import Settings
 from specmesh_services.common.drafts import model_specs, serves_drafter
 from specmesh_services.common.procs import free_port, orphan_guard, pid_alive
@@ -38,9 +40,13 @@ def state_path(settings: Settings) -> Path:
 
 def settings_env(settings: Settings) -> dict[str, str]:
     """The settings as SPECMESH_* variables (complex values as JSON, which pydantic-settings
-    parses), so children see exactly this configuration."""
+    parses), so children see exactly this configuration (secrets included: they are masked only
+    where shown)."""
     env = {}
-    for name, value in settings.model_dump(mode="json").items():
+    dumped = settings.model_dump(mode="json")
+    if settings.gateway.api_keys is not None:
+        dumped["gateway"]["api_keys"] = settings.gateway.api_keys.get_secret_value()
+    for name, value in dumped.items():
         if value is not None:
             env[f"SPECMESH_{name.upper()}"] = value if isinstance(value, str) else json.dumps(value)
     return env
@@ -69,6 +75,7 @@ class Stack:
     settings: Settings
     gateway_port: int
     log_dir: Path
+    secure: bool = False  # TLS (mutual) everywhere, an API key, Redis with a password over TLS
     children: list[Child] = field(default_factory=list)
     redis: object | None = None  # RedisServer when we started one
     http_port: int | None = None  # the gateway's OpenAI-compatible HTTP API (None: off)
@@ -77,10 +84,17 @@ class Stack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         settings = models.served(self.settings)  # every child serves the same resolved source
         prepare(settings)
+        pki = None
+        if self.secure:
+            pki = security.local_pki(self.secure_dir)
+            settings = settings.with_overrides(**{
+                "tls.cert_file": pki.cert, "tls.key_file": pki.key, "tls.ca_file": pki.ca,
+                "tls.mutual": True, "gateway.api_keys_file": self.api_key_file()})
         if settings.redis_url is None:
             from specmesh_services.common.redis_server import RedisServer
 
-            self.redis = RedisServer(log_path=self.log_dir / "redis.log")
+            self.redis = RedisServer(log_path=self.log_dir / "redis.log", tls=pki,
+                                     password=secrets.token_urlsafe(24) if pki else None)
             self.redis.start()
             settings = settings.with_overrides(redis_url=self.redis.url)
         ports = {"verifier": free_port(), "drafter": free_port(), "datastore": free_port(),
@@ -95,11 +109,11 @@ class Stack:
         source = settings.speculation.source
         drafting = tuple(role for role, used in (("drafter", serves_drafter(settings)),
                                                  ("datastore", source != "model")) if used)
+        self.settings = settings  # what the children run with (the health checks' TLS too)
         for group in (("verifier", *drafting), ("router",), ("gateway",)):
             started = [self.spawn(role, ports[role], settings) for role in group]
             for child in started:
                 self.wait_healthy(child)
-        self.settings = settings
 
     def spawn(self, role: str, port: int, settings: Settings) -> Child:
         metrics_port = free_port()
@@ -118,9 +132,27 @@ class Stack:
         self.children.append(child)
         return child
 
+    @property
+    def secure_dir(self) -> Path:
+        """The local CA, the services' certificate and the API key of a secure stack."""
+        return self.settings.stack_dir / "tls"
+
+    def api_key_file(self) -> Path:
+        """The secure stack's API key (made once, 0600): clients send it, it is never printed."""
+        path = self.secure_dir / "api_key"
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(secrets.token_urlsafe(32) + "\n")
+        return path
+
     def wait_healthy(self, child: Child) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
-        with grpc.insecure_channel(f"127.0.0.1:{child.port}") as channel:
+        credentials = security.channel_credentials(self.settings.tls)
+        address = f"127.0.0.1:{child.port}"
+        with (grpc.secure_channel(address, credentials) if credentials is not None
+              else grpc.insecure_channel(address)) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 if not child.alive():
@@ -154,12 +186,13 @@ class Stack:
     @property
     def http_url(self) -> str | None:
         """Base URL of the OpenAI-compatible API (what `openai.OpenAI(base_url=...)` takes)."""
-        return f"http://127.0.0.1:{self.http_port}/v1" if self.http_port is not None else None
+        scheme = "https" if self.settings.tls.enabled else "http"
+        return f"{scheme}://127.0.0.1:{self.http_port}/v1" if self.http_port is not None else None
 
     def describe(self) -> dict:
         return {"pid": os.getpid(), "gateway": f"127.0.0.1:{self.gateway_port}",
-                "http": self.http_url,
-                "redis_url": self.settings.redis_url, "log_dir": str(self.log_dir),
+                "http": self.http_url, "secure": str(self.secure_dir) if self.secure else None,
+                "redis_url": _redacted(self.settings.redis_url), "log_dir": str(self.log_dir),
                 "children": {c.role: {"pid": c.process.pid, "port": c.port,
                                       "metrics": f"http://127.0.0.1:{c.metrics_port}/metrics"}
                              for c in self.children}}
@@ -195,7 +228,7 @@ def prepare_datastore(settings: Settings) -> None:
 # commands
 
 
-def up(settings: Settings, port: int, detach: bool) -> int:
+def up(settings: Settings, port: int, detach: bool, secure: bool = False) -> int:
     state = state_path(settings)
     running = _read_state(state)
     if running and pid_alive(running["pid"]):
@@ -203,9 +236,9 @@ def up(settings: Settings, port: int, detach: bool) -> int:
               f"`specmesh down` first", file=sys.stderr)
         return 1
     if detach:
-        return _up_detached(settings, port, state)
+        return _up_detached(settings, port, state, secure)
     log_dir = settings.stack_dir / "logs"  # Stack.start creates it
-    stack = Stack(settings, port, log_dir)
+    stack = Stack(settings, port, log_dir, secure=secure)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     try:
@@ -214,9 +247,10 @@ def up(settings: Settings, port: int, detach: bool) -> int:
         state.write_text(json.dumps(stack.describe(), indent=1))
         print("Prometheus metrics: " + ", ".join(f"{c.role} http://127.0.0.1:{c.metrics_port}"
                                                  "/metrics" for c in stack.children), flush=True)
-        print(f"specmesh is up: gateway on 127.0.0.1:{port}{_http_note(stack.http_url)}. Try: "
-              f"specmesh generate \"Hello\" --address 127.0.0.1:{port}. Ctrl-C or `specmesh "
-              f"down` stops it.", flush=True)
+        print(f"specmesh is up: gateway on 127.0.0.1:{port}{_http_note(stack.http_url)}. "
+              + (secure_note(stack.secure_dir) if secure else
+                 f"Try: specmesh generate \"Hello\" --address 127.0.0.1:{port}")
+              + ". Ctrl-C or `specmesh down` stops it.", flush=True)
         # Ctrl-C reaches the whole foreground process group: the children stop on it too, so a
         # child found dead right after it is part of the stop, not a failure. Once up, Ctrl-C
         # sets a flag (not KeyboardInterrupt) so the loop below can tell the two apart.
@@ -246,12 +280,14 @@ def up(settings: Settings, port: int, detach: bool) -> int:
             state.unlink()
 
 
-def _up_detached(settings: Settings, port: int, state: Path) -> int:
+def _up_detached(settings: Settings, port: int, state: Path, secure: bool) -> int:
     state.parent.mkdir(parents=True, exist_ok=True)
     log = state.parent / "up.log"
     env = {**os.environ, **settings_env(settings)}
     with open(log, "w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "specmesh_services.cli", "up", "--port", str(port)],
+        command = [sys.executable, "-m", "specmesh_services.cli", "up", "--port", str(port),
+                   *(["--secure"] if secure else [])]
+        process = subprocess.Popen(command,
                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    env=env, start_new_session=True)
     deadline = time.monotonic() + START_TIMEOUT_S + 60
@@ -264,12 +300,32 @@ def _up_detached(settings: Settings, port: int, state: Path) -> int:
         if running and running["pid"] == process.pid:
             print(f"specmesh is up: gateway on {running['gateway']}"
                   f"{_http_note(running.get('http'))} (supervisor pid {process.pid}, log {log}). "
-                  f"`specmesh down` stops it.")
+                  + (secure_note(running["secure"]) + ". " if running.get("secure") else "")
+                  + "`specmesh down` stops it.")
             return 0
         time.sleep(0.5)
     process.terminate()
     print(f"specmesh up timed out, see {log}", file=sys.stderr)
     return 1
+
+
+def _redacted(url: str | None) -> str | None:
+    """A Redis URL without its password."""
+    if not url:
+        return url
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def secure_note(folder: str | Path) -> str:
+    """How a client reaches a secure stack (the key stays in its file)."""
+    d = Path(folder)
+    return (f"TLS (mutual) with the CA {d / 'ca.pem'} and the client certificate "
+            f"{d / 'service.pem'} / {d / 'service-key.pem'}; API key in {d / 'api_key'}. Try: "
+            f"specmesh generate \"Hello\" --tls-dir {d}")
 
 
 def _http_note(url: str | None) -> str:

@@ -78,14 +78,15 @@ class _Call:
 
 
 class _Recorder:
-    """Stands in for the GatewayStub: records (method, request, timeout)."""
+    """Stands in for the GatewayStub: records (method, request, timeout) and the metadata."""
 
     def __init__(self, asynchronous: bool):
         self.calls = []
         self.asynchronous = asynchronous
 
-    def Generate(self, request, timeout=None):
+    def Generate(self, request, timeout=None, metadata=None):
         self.calls.append(("Generate", request, timeout))
+        self.metadata = metadata
         response = gateway_pb2.GenerateResponse(text="ok", token_ids=[1])
         if not self.asynchronous:
             return response
@@ -94,8 +95,9 @@ class _Recorder:
             return response
         return answer()
 
-    def GenerateStream(self, request, timeout=None):
+    def GenerateStream(self, request, timeout=None, metadata=None):
         self.calls.append(("GenerateStream", request, timeout))
+        self.metadata = metadata
         return _Call([gateway_pb2.GenerateChunk(text="o"), gateway_pb2.GenerateChunk(text="k")])
 
 
@@ -123,3 +125,16 @@ def test_async_client_passes_the_same_request():
     assert out.text == "ok" and "".join(c.text for c in chunks) == "ok"
     assert calls == [("Generate", build_request(messages=[("user", "hi")], **VALUES), 3.0),
                      ("GenerateStream", build_request(prompt="hi", **VALUES), None)]
+
+
+def test_an_api_key_goes_with_every_call():
+    with Client("127.0.0.1:1", api_key="k-1") as client:
+        client._stub = recorder = _Recorder(asynchronous=False)
+        client.generate("hi")
+        assert recorder.metadata == (("authorization", "Bearer k-1"),)
+        list(client.stream("hi"))
+        assert recorder.metadata == (("authorization", "Bearer k-1"),)
+    with Client("127.0.0.1:1") as client:
+        client._stub = recorder = _Recorder(asynchronous=False)
+        client.generate("hi")
+        assert recorder.metadata is None

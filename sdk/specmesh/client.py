@@ -90,6 +90,11 @@ def _chunk(pb: gateway_pb2.GenerateChunk) -> Chunk:
                  stats=Stats.from_pb(pb.stats), request_id=pb.request_id)
 
 
+def _auth(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The call metadata that carries an API key (the gateway's `gateway.api_keys`)."""
+    return (("authorization", f"Bearer {api_key}"),) if api_key else None
+
+
 def _channel_args(options: Mapping[str, Any] | None) -> list[tuple[str, Any]]:
     return list((options or {}).items())
 
@@ -180,34 +185,38 @@ class Client(_Generating[Generation, Iterator[Chunk]]):
     `generate(prompt, ...)` takes raw text (no chat template); `chat(messages, ...)` formats
     messages with the model's chat template; `stream(...)` / `stream_chat(...)` yield chunks as
     tokens are accepted. Their keyword parameters are described in `generate`; `timeout`
-    (seconds, per call or for every call of the client) bounds a call.
+    (seconds, per call or for every call of the client) bounds a call. `api_key`: sent with every
+    call where the gateway requires one; `credentials`: TLS (e.g.
+    `grpc.ssl_channel_credentials(open("ca.pem", "rb").read())`).
     """
 
     def __init__(self, address: str, *, timeout: float | None = None,
                  credentials: grpc.ChannelCredentials | None = None,
-                 options: Mapping[str, Any] | None = None):
+                 options: Mapping[str, Any] | None = None, api_key: str | None = None):
         if credentials is None:
             self._channel = grpc.insecure_channel(address, options=_channel_args(options))
         else:
             self._channel = grpc.secure_channel(address, credentials, options=_channel_args(options))
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
         self._timeout = timeout
+        self._metadata = _auth(api_key)
 
     def models(self) -> gateway_pb2.ListModelsResponse:
         try:
-            return self._stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=self._timeout)
+            return self._stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=self._timeout,
+                                         metadata=self._metadata)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 
     def _unary(self, request: gateway_pb2.GenerateRequest, timeout: float | None) -> Generation:
         try:
-            return _generation(self._stub.Generate(request, timeout=timeout))
+            return _generation(self._stub.Generate(request, timeout=timeout, metadata=self._metadata))
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 
     def _stream(self, request: gateway_pb2.GenerateRequest,
                 timeout: float | None) -> Iterator[Chunk]:
-        call = self._stub.GenerateStream(request, timeout=timeout)
+        call = self._stub.GenerateStream(request, timeout=timeout, metadata=self._metadata)
         try:
             for pb in call:
                 yield _chunk(pb)
@@ -236,30 +245,32 @@ class AsyncClient(_Generating[Awaitable[Generation], AsyncIterator[Chunk]]):
 
     def __init__(self, address: str, *, timeout: float | None = None,
                  credentials: grpc.ChannelCredentials | None = None,
-                 options: Mapping[str, Any] | None = None):
+                 options: Mapping[str, Any] | None = None, api_key: str | None = None):
         if credentials is None:
             self._channel = grpc.aio.insecure_channel(address, options=_channel_args(options))
         else:
             self._channel = grpc.aio.secure_channel(address, credentials, options=_channel_args(options))
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
         self._timeout = timeout
+        self._metadata = _auth(api_key)
 
     async def models(self) -> gateway_pb2.ListModelsResponse:
         try:
-            return await self._stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=self._timeout)
+            return await self._stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=self._timeout,
+                                         metadata=self._metadata)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 
     async def _unary(self, request: gateway_pb2.GenerateRequest,
                      timeout: float | None) -> Generation:
         try:
-            return _generation(await self._stub.Generate(request, timeout=timeout))
+            return _generation(await self._stub.Generate(request, timeout=timeout, metadata=self._metadata))
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 
     async def _stream(self, request: gateway_pb2.GenerateRequest,
                       timeout: float | None) -> AsyncIterator[Chunk]:
-        call = self._stub.GenerateStream(request, timeout=timeout)
+        call = self._stub.GenerateStream(request, timeout=timeout, metadata=self._metadata)
         try:
             async for pb in call:
                 yield _chunk(pb)

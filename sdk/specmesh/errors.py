@@ -21,8 +21,14 @@ class Unavailable(SpecmeshError, ConnectionError):
     """The gateway could not be reached or is overloaded (UNAVAILABLE, RESOURCE_EXHAUSTED)."""
 
 
+class Unauthenticated(SpecmeshError, PermissionError):
+    """The gateway wants an API key and got none or a wrong one (UNAUTHENTICATED): pass
+    `api_key=` to the client."""
+
+
 _BY_CODE = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.RESOURCE_EXHAUSTED: Unavailable,
 }

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import (BaseSettings, EnvSettingsSource, NoDecode,
                                PydanticBaseSettingsSource, SettingsConfigDict)
@@ -110,12 +110,36 @@ class DatastoreSettings(Section):
 
 
 class GatewaySettings(Section):
-    """The gateway's OpenAI-compatible HTTP API (beside its gRPC API on `port`)."""
+    """The gateway's OpenAI-compatible HTTP API (beside its gRPC API on `port`) and the keys
+    both APIs require."""
 
     http_port: int | None = Field(DEFAULT_HTTP_PORT, ge=0, le=65535, description="port of the "
                                   "OpenAI-compatible HTTP API (/v1/completions, "
                                   "/v1/chat/completions, /v1/models, /health); 0 = any free "
                                   "port, null = no HTTP")
+    api_keys: SecretStr | None = Field(None, description="keys clients must send (comma-"
+                                       "separated; gRPC metadata or HTTP header `authorization: "
+                                       "Bearer <key>`); never logged or shown. Unset and no "
+                                       "api_keys_file: no key needed")
+    api_keys_file: Path | None = Field(None, description="a file of accepted keys, one per line "
+                                       "(# comments), read at start")
+
+
+class TlsSettings(Section):
+    """TLS of every gRPC server and client of the mesh, and of the gateway's HTTP API."""
+
+    cert_file: Path | None = Field(None, description="this service's certificate chain (PEM); "
+                                   "set: TLS on")
+    key_file: Path | None = Field(None, description="its private key (PEM)")
+    ca_file: Path | None = Field(None, description="the CA that signed the services' "
+                                 "certificates: clients verify servers with it (and servers "
+                                 "clients, with mutual)")
+    mutual: bool = Field(False, description="servers require a client certificate signed by "
+                         "ca_file; clients present cert_file")
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert_file is not None
 
 
 class TelemetrySettings(Section):
@@ -248,6 +272,7 @@ class Settings(BaseSettings):
     datastore_address: str = Field("127.0.0.1:50055", description="router -> datastore")
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
+    tls: TlsSettings = Field(default_factory=TlsSettings)
     verifier: VerifierSettings = Field(default_factory=VerifierSettings)
     datastore: DatastoreSettings = Field(default_factory=DatastoreSettings)
     router: RouterSettings = Field(default_factory=RouterSettings)

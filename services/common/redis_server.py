@@ -6,7 +6,8 @@ no --redis-url is given) and of the tests.
 
 No persistence (`--save ""`, no AOF), its files in a temporary directory removed on stop. On
 Linux the server gets a parent-death signal, so it never outlives the process (more exactly:
-the thread) that started it.
+the thread) that started it. With `password` it requires AUTH; with `tls` (a CA, certificate
+and key: `security.local_pki`) it speaks TLS only (`rediss://`, clients verify it with the CA).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 from specmesh_services.common.procs import free_port, orphan_guard
 
@@ -53,16 +55,22 @@ class RedisServer:
     manager. `binary` defaults to find_redis_server(); the server's output goes to `log_path`
     (default: a file in its temporary directory)."""
 
-    def __init__(self, binary: str | None = None, log_path: str | Path | None = None) -> None:
+    def __init__(self, binary: str | None = None, log_path: str | Path | None = None,
+                 password: str | None = None, tls=None) -> None:
         self.binary = binary
         self.log_path = Path(log_path) if log_path is not None else None
+        self.password = password
+        self.tls = tls  # security.LocalPki or None
         self.port = 0
         self.process: subprocess.Popen | None = None
         self._dir: Path | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        if self.tls is not None:
+            return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={quote(str(self.tls.ca))}"
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     @property
     def pid(self) -> int | None:
@@ -98,6 +106,13 @@ class RedisServer:
         log.parent.mkdir(parents=True, exist_ok=True)
         args = [*orphan_guard(), binary, "--port", str(self.port), "--bind", "127.0.0.1",
                 "--protected-mode", "yes", "--save", "", "--appendonly", "no", "--dir", str(self._dir), "--daemonize", "no"]
+        if self.password:
+            args += ["--requirepass", self.password]
+        if self.tls is not None:  # TLS only, the client verified by its password, not a cert
+            args[args.index("--port") + 1] = "0"
+            args += ["--tls-port", str(self.port), "--tls-cert-file", str(self.tls.cert),
+                     "--tls-key-file", str(self.tls.key), "--tls-ca-cert-file", str(self.tls.ca),
+                     "--tls-auth-clients", "no"]
         with open(log, "ab") as out:
             self.process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, )
@@ -108,11 +123,22 @@ class RedisServer:
             if self.process.poll() is not None:
                 raise RuntimeError(f"redis-server exited with code {self.process.returncode}:"
                                    f"\n{self.log_tail()}")
-            if _answers_ping(self.port):
+            if self._answers():
                 return
             time.sleep(0.05)
         raise RuntimeError(f"redis-server on port {self.port} did not answer PING in "
                            f"{START_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
+
+    def _answers(self) -> bool:
+        if self.password is None and self.tls is None:
+            return _answers_ping(self.port)
+        import redis
+
+        try:
+            with redis.Redis.from_url(self.url, socket_timeout=0.5) as client:
+                return bool(client.ping())
+        except (redis.RedisError, OSError):
+            return False
 
     def log_tail(self, lines: int = 20) -> str:
         log = self.log_path or (self._dir / "redis.log" if self._dir else None)

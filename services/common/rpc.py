@@ -19,7 +19,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from specmesh_services.common import metrics, telemetry
+from specmesh_services.common import metrics, security, telemetry
+from specmesh_services.common.config import TlsSettings
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +84,14 @@ def rpc_errors(method: Callable) -> Callable:
 
 
 async def start_server(register: Sequence[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]],
-                       host: str, port: int) -> tuple[grpc.aio.Server, int]:
+                       host: str, port: int, tls: TlsSettings | None = None,
+                       interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
+                       ) -> tuple[grpc.aio.Server, int]:
     """Starts a grpc.aio server with the given (add_fn, servicer, full service name) entries,
     grpc.health.v1 (each service and "" SERVING) and server reflection (grpcurl lists and calls
-    them); returns the server and its bound port."""
+    them); with `tls` enabled it serves TLS only. Returns the server and its bound port."""
     server = grpc.aio.server(interceptors=[*telemetry.server_interceptors(),
-                                           metrics.rpc_metrics()],
+                                           metrics.rpc_metrics(), *interceptors],
                              options=[("grpc.so_reuseport", 0)])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -96,7 +99,9 @@ async def start_server(register: Sequence[tuple[Callable[[Any, grpc.aio.Server],
         add_fn(servicer, server)
     reflection.enable_server_reflection(
         [name for _, _, name in register] + [health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    credentials = security.server_credentials(tls) if tls is not None else None
+    bound = (server.add_secure_port(f"{host}:{port}", credentials) if credentials is not None
+             else server.add_insecure_port(f"{host}:{port}"))
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     await server.start()
@@ -106,9 +111,13 @@ async def start_server(register: Sequence[tuple[Callable[[Any, grpc.aio.Server],
     return server, bound
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    """Insecure client channel with tracing interceptors."""
-    return grpc.aio.insecure_channel(address, interceptors=telemetry.client_interceptors())
+def channel(address: str, tls: TlsSettings | None = None) -> grpc.aio.Channel:
+    """Client channel with tracing interceptors; TLS when `tls` is enabled."""
+    credentials = security.channel_credentials(tls) if tls is not None else None
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, interceptors=telemetry.client_interceptors())
+    return grpc.aio.secure_channel(address, credentials,
+                                   interceptors=telemetry.client_interceptors())
 
 
 # ---------------------------------------------------------------------------------------------

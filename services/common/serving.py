@@ -59,7 +59,7 @@ def compute_service(role: str, load: Callable[[Settings], object],
         state = await asyncio.get_running_loop().run_in_executor(executor, load, settings)
         server, port = await start_server(
             [(add_to_server, make_servicer(state, executor), service_name)],
-            settings.host, settings.port)
+            settings.host, settings.port, settings.tls)
 
         async def cleanup() -> None:
             executor.shutdown(wait=False, cancel_futures=True)

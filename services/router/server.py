@@ -44,10 +44,10 @@ async def start(settings: Settings):
     path = models.resolve(settings.model, settings.cache_dir)
     tokenizer = models.load_tokenizer(path)
     pool = pool_mod.connect(settings.redis_url, settings.pool_prefix)
-    drafter_channel = channel(settings.drafter_address) if serves_drafter(settings) else None
+    drafter_channel = channel(settings.drafter_address, settings.tls) if serves_drafter(settings) else None
     datastore_channel = datastore = None
     if settings.speculation.source != "model":
-        datastore_channel = channel(settings.datastore_address)
+        datastore_channel = channel(settings.datastore_address, settings.tls)
         datastore = datastore_pb2_grpc.DatastoreStub(datastore_channel)
         await check_datastore(datastore, tokenizer, settings.router.step_timeout_s)
     drafter = drafter_pb2_grpc.DrafterStub(drafter_channel) if drafter_channel else None
@@ -78,7 +78,7 @@ async def start(settings: Settings):
     router.start()
     server, port = await start_server(
         [(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(router), SERVICE_NAME)],
-        settings.host, settings.port)
+        settings.host, settings.port, settings.tls)
 
     async def cleanup() -> None:
         await router.stop()

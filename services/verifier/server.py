@@ -151,7 +151,7 @@ async def start(settings: Settings):
     server, port = await start_server(
         [(verifier_pb2_grpc.add_VerifierServicer_to_server,
           VerifierServicer(worker, settings.model), SERVICE_NAME)],
-        settings.host, settings.port)
+        settings.host, settings.port, settings.tls)
 
     async def cleanup() -> None:
         await worker.stop()
