@@ -16,10 +16,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 import uvicorn
-from prometheus_client import CollectorRegistry, make_asgi_app
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import CollectorRegistry, make_asgi_app
 
 from specmesh_gateway.openai_responses import Reply, error_body, sse
 from specmesh_gateway.openai_schema import ChatCompletionRequest, CompletionRequest, UnsupportedField

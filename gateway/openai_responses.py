@@ -18,6 +18,7 @@ from google.protobuf.json_format import MessageToDict
 from specmesh.types import finish_reason_name
 from specmesh.v1 import common_pb2
 
+
 def usage(stats: common_pb2.GenerationStats) -> dict:
     accepted = int(stats.accepted_tokens)
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,

@@ -22,8 +22,8 @@ from specmesh_gateway.requests import ServedModel
 from specmesh_gateway.servicer import GatewayServicer
 from specmesh_services.common import cores, models, serving
 from specmesh_services.common.config import Settings
-from specmesh_services.common.metrics import RouterMetrics, VerifierMetrics
 from specmesh_services.common.drafts import router_drafters, serves_drafter
+from specmesh_services.common.metrics import RouterMetrics, VerifierMetrics
 from specmesh_services.common.pool import MemoryPool
 from specmesh_services.common.rpc import LocalStub
 from specmesh_services.datastore.engine import LookupEngine, open_for_target

@@ -1,6 +1,6 @@
-"""The verifier's Prometheus metrics (services/common/metrics.py): step histograms, KV gauges, early pruning's
-counts, and the fitted step-cost coefficients, which are computed when scraped rather than at
-every step."""
+"""The verifier's Prometheus metrics (services/common/metrics.py): step histograms, KV gauges,
+early pruning's counts, and the fitted step-cost coefficients, which are computed when scraped
+rather than at every step."""
 from __future__ import annotations
 
 from types import SimpleNamespace

@@ -28,9 +28,9 @@ from dataclasses import replace
 
 from specmesh_services.common import telemetry
 from specmesh_services.common.config import RouterSettings, SpeculationSettings
+from specmesh_services.common.metrics import RouterMetrics
 from specmesh_services.common.pool import Pool
 from specmesh_services.common.sampling import SamplingParams
-from specmesh_services.common.metrics import RouterMetrics
 from specmesh_services.router.arms import ArmSet
 from specmesh_services.router.batching import MicroBatcher
 from specmesh_services.router.pipeline import micro_batches
