@@ -2,9 +2,10 @@
 
 `up` prepares the models once, starts a private redis-server (unless --redis-url), then the
 verifier and drafter (which load models), the router and the gateway, each a `specmesh serve
-ROLE` child process, and waits for each to answer grpc.health.v1. It then watches them: Ctrl-C,
-SIGTERM (what `down` sends) or any child dying stops everything. Children get a parent-death
-signal, so even a killed `up` leaves no orphans. `--detach` runs the same supervisor in the
+ROLE` child process, and waits for each to answer grpc.health.v1. It then watches them: a child
+that dies is restarted with backoff (`supervisor.py`) while the others carry on; Ctrl-C or
+SIGTERM (what `down` sends) stops everything. Children get a parent-death signal, so even a
+killed `up` leaves no orphans. `--detach` runs the same supervisor in the
 background and returns once the stack is healthy.
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ from specmesh_services.common.config import Settings
 from specmesh_services.common.drafts import model_specs, serves_drafter
 from specmesh_services.common.procs import free_port, orphan_guard, pid_alive
 from specmesh_services.drafter.models import DraftSpec
+from specmesh_services.supervisor import supervise
 
 START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0  # the supervisor's own stop takes at most ~20 s (15 s for children + redis)
@@ -59,6 +61,7 @@ class Child:
     log: Path
     process: subprocess.Popen
     metrics_port: int  # its Prometheus metrics: http://127.0.0.1:PORT/metrics
+    started: float = field(default_factory=time.monotonic)
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -115,21 +118,35 @@ class Stack:
             for child in started:
                 self.wait_healthy(child)
 
-    def spawn(self, role: str, port: int, settings: Settings) -> Child:
-        metrics_port = free_port()
+    def spawn(self, role: str, port: int, settings: Settings,
+              metrics_port: int | None = None, append: bool = False) -> Child:
+        metrics_port = metrics_port or free_port()
         env = {**os.environ, **settings_env(settings.with_overrides(port=port,
                                                                     metrics_port=metrics_port))}
         if "OMP_NUM_THREADS" not in os.environ:
             placement = cores.plan(settings.cores, settings.drafter_cores)
             env["OMP_NUM_THREADS"] = str(placement.threads(role))
         log = self.log_dir / f"{role}.log"
-        out = open(log, "w")
+        out = open(log, "a" if append else "w")
         command = [*orphan_guard(), sys.executable, "-m", "specmesh_services.cli", "serve", role]
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, env=env)
         out.close()
         child = Child(role, port, log, process, metrics_port)
         self.children.append(child)
+        return child
+
+    def restart(self, dead: Child, stopping: list | None = None) -> Child:
+        """`dead`'s role again on the same ports, in its place (its log goes on in the same
+        file); returns the new child once it answers health checks (or at once when `stopping`
+        is set meanwhile)."""
+        with open(dead.log, "a") as log:
+            log.write(f"--- exited with code {dead.process.returncode}; restarted ---\n")
+        index = self.children.index(dead)
+        child = self.spawn(dead.role, dead.port, self.settings, dead.metrics_port, append=True)
+        self.children.remove(child)
+        self.children[index] = child
+        self.wait_healthy(child, stopping)
         return child
 
     @property
@@ -147,14 +164,14 @@ class Stack:
                 out.write(secrets.token_urlsafe(32) + "\n")
         return path
 
-    def wait_healthy(self, child: Child) -> None:
+    def wait_healthy(self, child: Child, stopping: list | None = None) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
         credentials = security.channel_credentials(self.settings.tls)
         address = f"127.0.0.1:{child.port}"
         with (grpc.secure_channel(address, credentials) if credentials is not None
               else grpc.insecure_channel(address)) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline and not stopping:
                 if not child.alive():
                     raise RuntimeError(f"{child.role} exited with code {child.process.returncode}:"
                                        f"\n{child.log_tail()}")
@@ -163,6 +180,8 @@ class Stack:
                     if reply.status == health_pb2.HealthCheckResponse.SERVING:
                         return
                 time.sleep(0.3)
+        if stopping:
+            return
         raise RuntimeError(f"{child.role} did not become healthy in {START_TIMEOUT_S:.0f} s:\n"
                            f"{child.log_tail()}")
 
@@ -255,16 +274,7 @@ def up(settings: Settings, port: int, detach: bool, secure: bool = False) -> int
         # child found dead right after it is part of the stop, not a failure. Once up, Ctrl-C
         # sets a flag (not KeyboardInterrupt) so the loop below can tell the two apart.
         signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
-        while not stopping:
-            dead = stack.dead_child()
-            if dead is not None:
-                time.sleep(0.5)  # a signal to the group may reach this process last
-                if stopping:
-                    break
-                print(f"{dead.role} died (code {dead.process.returncode}); stopping:\n"
-                      f"{dead.log_tail()}", file=sys.stderr)
-                return 1
-            time.sleep(0.5)
+        supervise(stack, stopping, lambda: state.write_text(json.dumps(stack.describe(), indent=1)))
         return 0
     except KeyboardInterrupt:
         return 0

@@ -153,3 +153,42 @@ def test_down_kills_a_supervisor_that_ignores_sigterm(tmp_path, monkeypatch):
         for p in (hung, other):
             p.kill()
             p.wait()
+
+
+def test_up_restarts_a_killed_child_and_its_stream_completes_unchanged(cli_env, tmp_path):
+    """SIGKILL the datastore (the default model's drafter) mid-stream: the request completes
+    with the undisturbed run's tokens, `up` logs why it died and starts it again on its port,
+    and the stack serves on."""
+    from specmesh import Client
+
+    port = free_port()
+    up = run_cli(["up", "--detach", "--port", str(port), "--http-port", "0"], cli_env)
+    assert up.returncode == 0, up.stdout + up.stderr
+    state = tmp_path / "run" / "stack.json"
+    try:
+        with Client(f"127.0.0.1:{port}", timeout=300) as client:
+            prompt = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
+            reference = client.chat(prompt, max_tokens=160)
+            victim = json.loads(state.read_text())["children"]["datastore"]["pid"]
+            tokens, killed_at = [], None
+            for chunk in client.stream_chat(prompt, max_tokens=160):
+                tokens += chunk.token_ids
+                if killed_at is None:
+                    os.kill(victim, signal.SIGKILL)
+                    killed_at = len(tokens)
+            assert killed_at < len(tokens), "the stream went on after the kill"
+            assert tokens == list(reference.token_ids)
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                pid = json.loads(state.read_text())["children"]["datastore"]["pid"]
+                if pid != victim and pid_alive(pid):
+                    break
+                time.sleep(0.5)
+            else:
+                pytest.fail("the datastore was not restarted")
+            assert client.chat(prompt, max_tokens=16).token_ids == reference.token_ids[:16]
+        log = (tmp_path / "run" / "up.log").read_text()
+        assert "datastore died (code -9)" in log and "datastore restarted" in log
+    finally:
+        down = run_cli(["down"], cli_env)
+    assert down.returncode == 0, down.stderr
