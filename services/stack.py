@@ -33,7 +33,7 @@ from specmesh_services.drafter.models import DraftSpec
 from specmesh_services.supervisor import supervise
 
 START_TIMEOUT_S = 300.0
-STOP_TIMEOUT_S = 30.0  # the supervisor's own stop takes at most ~20 s (15 s for children + redis)
+STOP_TIMEOUT_S = 45.0  # the supervisor's own stop: the children's drain (drain_s + 5) + redis
 
 
 def state_path(settings: Settings) -> Path:
@@ -192,7 +192,7 @@ class Stack:
         for child in reversed(self.children):
             if child.alive():
                 child.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + self.settings.drain_s + 5  # they drain, then exit
         for child in reversed(self.children):
             try:
                 child.process.wait(timeout=max(0.1, deadline - time.monotonic()))

@@ -285,6 +285,8 @@ def test_compose_service_command_and_settings(monkeypatch, compose, role):
     assert str(settings.cache_dir) == dockerfile_env()["SPECMESH_CACHE_DIR"]
     if role in ("router", "verifier"):
         assert settings.redis_url, f"{role} needs the pool"
+    grace = service.get("stop_grace_period", "10s")  # docker's default: SIGKILL after 10 s
+    assert int(grace.removesuffix("s")) >= settings.drain_s + 5, (role, grace)
 
 
 @pytest.mark.parametrize("role", ROLES)
@@ -511,6 +513,9 @@ def test_k8s_model_deployment(monkeypatch, manifests, role):
     if role == "gateway":
         assert ports["http"] == settings.gateway.http_port
     assert set(ports) <= {"grpc", "metrics", "http"}
+    # on SIGTERM a service drains for drain_s: Kubernetes waits longer before SIGKILL
+    grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace >= settings.drain_s + 5, (role, grace, settings.drain_s)
     probes = [k for k in container if k.endswith("Probe")]
     assert {"readinessProbe", "livenessProbe"} <= set(probes)
     for probe in probes:

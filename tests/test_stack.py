@@ -6,13 +6,15 @@ Lossless greedy identity on 8 MT-Bench questions (4 in flight), invalid input re
 INVALID_ARGUMENT while the services stay up, streaming = unary, seeded sampling reproducible,
 one trace per request across all five services (exported over OTLP to a test collector), a
 cancelled stream releases its request, and failures lose nothing: a killed verifier's step is
-claimed by a new one, dead drafting services leave only the heads drafting. The failure tests
+claimed by a new one, dead drafting services leave only the heads drafting, a verifier and
+then a router drain on SIGTERM without losing output. The failure tests
 run last. The stack runs with split cores: the verifier's and the drafting roles' compute
 threads pinned to disjoint cores (checked from /proc), every result above on top of it.
 """
 import asyncio
 import os
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -336,6 +338,41 @@ def test_killed_verifier_loses_nothing(stack, questions, hf_greedy_reference):
     assert verifier_info(stack).prefills >= 1, "the new verifier rebuilt the cache from the pool"
 
 
+def health_of(stack, role) -> str:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{child(stack, role).port}") as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                              timeout=2)
+        except grpc.RpcError as err:
+            return err.code().name
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def test_a_verifier_drains_on_sigterm_and_nothing_is_lost(stack, questions,
+                                                         hf_greedy_reference):
+    """SIGTERM mid-request: the verifier reports NOT_SERVING, finishes its step and exits well
+    within its drain period; a new verifier takes over and the output is the target's own."""
+    messages = [{"role": "user", "content": questions[2]["turns"][0]}]
+    before = verifier_info(stack).steps
+    with Client(f"127.0.0.1:{stack.gateway_port}", timeout=300) as c, \
+            ThreadPoolExecutor(1) as pool:
+        future = pool.submit(c.chat, messages, max_tokens=MAX_TOKENS)
+        wait_until(lambda: verifier_info(stack).steps > before + 3, what="generation to start")
+        old = child(stack, "verifier")
+        began = time.monotonic()
+        old.process.send_signal(signal.SIGTERM)
+        old.process.wait(timeout=stack.settings.drain_s + 5)
+        drained_s = time.monotonic() - began
+        log = old.log.read_text()  # before its successor's log replaces it
+        stack.wait_healthy(stack.spawn("verifier", free_port(), stack.settings))
+        out = future.result(timeout=300)
+    assert out.token_ids == hf_greedy_reference[2]
+    assert old.process.returncode == 0 and drained_s < stack.settings.drain_s
+    assert "verifier draining" in log and "verifier drained in" in log
+
+
 def test_dead_drafting_services_leave_the_verifiers_heads_without_losing_output(
         stack, client, questions, hf_greedy_reference):
     for role in ("drafter", "datastore"):  # first the model drafter, then the datastore too
@@ -347,3 +384,30 @@ def test_dead_drafting_services_leave_the_verifiers_heads_without_losing_output(
         assert out.token_ids == hf_greedy_reference[1], role
     # only the heads (served by the verifier) still draft
     assert {name for d in out.stats.decisions for name in d.drafters} <= {"heads"}
+
+
+def test_a_router_drains_on_sigterm_finishing_its_streams(stack, questions, hf_greedy_reference):
+    """SIGTERM mid-stream (last: the stack has no router after it): the router reports
+    NOT_SERVING, refuses new requests, finishes the stream in flight, then exits."""
+    messages = [{"role": "user", "content": questions[3]["turns"][0]}]
+    router = child(stack, "router")
+    started = threading.Event()
+
+    def stream(c):
+        chunks = []
+        for chunk in c.stream_chat(messages, max_tokens=MAX_TOKENS):
+            chunks.append(chunk)
+            started.set()
+        return chunks
+    with Client(f"127.0.0.1:{stack.gateway_port}", timeout=300) as c, \
+            ThreadPoolExecutor(1) as pool:
+        future = pool.submit(stream, c)
+        assert started.wait(timeout=120), "the stream did not start"
+        router.process.send_signal(signal.SIGTERM)
+        wait_until(lambda: health_of(stack, "router") != "SERVING", timeout=10,
+                   what="NOT_SERVING")
+        chunks = future.result(timeout=300)
+    assert [t for ch in chunks for t in ch.token_ids] == hf_greedy_reference[3]
+    router.process.wait(timeout=stack.settings.drain_s + 5)
+    assert router.process.returncode == 0
+    assert "router drained in" in router.log.read_text()

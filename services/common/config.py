@@ -264,6 +264,9 @@ class Settings(BaseSettings):
     max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens accepted")
     host: str = Field("127.0.0.1", description="interface services listen on")
     port: int = Field(0, ge=0, le=65535, description="port of this service (0 = any free port)")
+    drain_s: float = Field(20.0, ge=0, description="on SIGTERM: report NOT_SERVING, take no new "
+                           "work and finish what is in flight for at most this long, then exit "
+                           "(keep it under Kubernetes' terminationGracePeriodSeconds)")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="serve this process's "
                                      "Prometheus metrics at http://host:PORT/metrics (0 = any "
                                      "free port; docs/metrics.md lists them)")

@@ -12,6 +12,7 @@ import asyncio
 import functools
 import inspect
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -108,7 +109,19 @@ async def start_server(register: Sequence[tuple[Callable[[Any, grpc.aio.Server],
     for _, _, service_name in register:
         await health_servicer.set(service_name, health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    _health[server] = (health_servicer, ["", *(name for _, _, name in register)])
     return server, bound
+
+
+_health: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+async def not_serving(server: grpc.aio.Server) -> None:
+    """Reports every service of `server` NOT_SERVING (a draining process: load balancers and
+    Kubernetes' readiness probes send it no new work)."""
+    health_servicer, names = _health.get(server, (None, []))
+    for name in names:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
 def channel(address: str, tls: TlsSettings | None = None) -> grpc.aio.Channel:

@@ -7,12 +7,13 @@ import gc
 import logging
 import signal
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from specmesh_services.common import cores, metrics, telemetry
+from specmesh_services.common import cores, metrics, rpc, telemetry
 from specmesh_services.common.config import Settings
 from specmesh_services.common.rpc import start_server
 
@@ -96,9 +97,14 @@ def run_service(role: str, settings: Settings,
             with frozen_heap():
                 await wait_for_signal()
         finally:
-            log.info("%s shutting down", role)
-            await server.stop(grace=3)
+            # drain: no new work (NOT_SERVING, no new calls), what is in flight finishes within
+            # drain_s (the cleanup drains what the process does outside calls), then exit
+            began = time.monotonic()
+            log.info("%s draining (at most %.0f s)", role, settings.drain_s)
+            await rpc.not_serving(server)
+            await server.stop(grace=settings.drain_s)
             await cleanup()
+            log.info("%s drained in %.1f s", role, time.monotonic() - began)
             telemetry.shutdown()
 
     asyncio.run(main())

@@ -154,7 +154,7 @@ async def start(settings: Settings):
         settings.host, settings.port, settings.tls)
 
     async def cleanup() -> None:
-        await worker.stop()
+        await worker.drain(settings.drain_s)
         await pool.close()
         executor.shutdown(wait=False, cancel_futures=True)
     return server, port, cleanup

@@ -50,6 +50,7 @@ class VerifierWorker:
         self.steps = 0
         self.prefills = 0
         self._tasks: list[asyncio.Task] = []
+        self._draining = False  # SIGTERM: finish the step in progress, take no more
         self._serving: dict[str, float] = {}  # request -> when its last result went out
         self._step_s = 0.0  # EMA of step seconds (batch waiting's default)
         self.batch_waits = 0
@@ -66,6 +67,15 @@ class VerifierWorker:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
+    async def drain(self, timeout_s: float) -> None:
+        """Takes no new entries, finishes the step in progress (its results published and
+        acknowledged) within `timeout_s`, then stops. Entries it holds unverified stay
+        unacknowledged in the pool, where another verifier claims them (`claim_idle_s`)."""
+        self._draining = True
+        if self._tasks:
+            await asyncio.wait(self._tasks[:1], timeout=timeout_s)
+        await self.stop()
+
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
@@ -74,7 +84,7 @@ class VerifierWorker:
         next_claim = 0.0
         backlog: list[Taken] = []
         wait = 1.0
-        while True:
+        while not self._draining:
             try:
                 # always look for new drafts, even with a backlog: deferred entries may be
                 # waiting for KV that only the requests behind them in the pool will free
