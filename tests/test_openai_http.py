@@ -12,14 +12,8 @@ import openai
 import pytest
 
 from specmesh import Client
-from specmesh.v1 import gateway_pb2_grpc
-from specmesh_gateway import http
-from specmesh_gateway.requests import ServedModel
-from specmesh_gateway.servicer import SERVICE_NAME as GATEWAY, GatewayServicer
-from specmesh_services.common.rpc import LocalStub, start_server
 from specmesh_services.embedded import EmbeddedMesh
-from specmesh_services.router.servicer import RouterServicer
-from threaded import served
+from threaded import gateway_apis, served
 
 PROMPT = "The capital of France is"
 QUESTION = "Name three colours."
@@ -33,20 +27,10 @@ def ports(base_settings, compute):
     settings = base_settings.with_overrides(drafters=["layers:4"], **{"speculation.depth": 3})
 
     async def serve(publish, stop):
-        async with EmbeddedMesh.start(settings, compute) as mesh:
-            router = mesh.router
-            served = ServedModel(settings.model, router.tokenizer, router.target.context_length,
-                                 settings.max_tokens_default, settings.max_tokens_limit)
-            servicer = GatewayServicer(LocalStub(RouterServicer(router)), served)
-            server, grpc_port = await start_server(
-                [(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer, GATEWAY)],
-                "127.0.0.1", 0)
-            http_port, stop_http = await http.serve(
-                http.create_app(servicer, api_keys=frozenset({KEY})), "127.0.0.1", 0)
-            publish((grpc_port, http_port))
+        async with EmbeddedMesh.start(settings, compute) as mesh, \
+                gateway_apis(mesh, frozenset({KEY})) as ports:
+            publish(ports)
             await stop.wait()
-            await stop_http()
-            await server.stop(None)
 
     with served(serve) as value:
         yield value

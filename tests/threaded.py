@@ -36,3 +36,29 @@ def served(serve: Callable[[Callable[[object], None], asyncio.Event], Awaitable[
         if stopper.done():
             stopper.result()()
         thread.join(timeout=60)
+
+
+@contextlib.asynccontextmanager
+async def gateway_apis(mesh, api_keys: frozenset[str] = frozenset()):
+    """An embedded mesh's gateway over real gRPC and HTTP on free ports: (grpc port, http port)."""
+    from specmesh.v1 import gateway_pb2_grpc
+    from specmesh_gateway import http
+    from specmesh_gateway.requests import ServedModel
+    from specmesh_gateway.servicer import SERVICE_NAME, GatewayServicer
+    from specmesh_services.common.rpc import LocalStub, start_server
+    from specmesh_services.router.servicer import RouterServicer
+
+    router, settings = mesh.router, mesh.settings
+    model = ServedModel(settings.model, router.tokenizer, router.target.context_length,
+                        settings.max_tokens_default, settings.max_tokens_limit)
+    servicer = GatewayServicer(LocalStub(RouterServicer(router)), model)
+    server, grpc_port = await start_server(
+        [(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer, SERVICE_NAME)],
+        "127.0.0.1", 0)
+    http_port, stop_http = await http.serve(http.create_app(servicer, api_keys=api_keys),
+                                            "127.0.0.1", 0)
+    try:
+        yield grpc_port, http_port
+    finally:
+        await stop_http()
+        await server.stop(None)
