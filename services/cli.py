@@ -66,6 +66,13 @@ def _request_kwargs(args: argparse.Namespace) -> dict:
     return kwargs
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _client_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("security (a gateway with TLS or API keys)")
     g.add_argument("--tls-dir", type=Path, help="a secure stack's folder (`specmesh up --secure` "
@@ -167,7 +174,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from specmesh_services import stack
 
-    return stack.up(settings_from(args), port=args.port, detach=args.detach, secure=args.secure)
+    return stack.up(settings_from(args), port=args.port, detach=args.detach, secure=args.secure,
+                    verifiers=args.verifiers)
 
 
 def cmd_down(args: argparse.Namespace) -> int:
@@ -401,6 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Ctrl-C or `specmesh down` stops them all.")
     p.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT, help="gateway port [50051]")
     p.add_argument("--detach", action="store_true", help="return once the stack is up")
+    p.add_argument("--verifiers", type=_positive, default=1, metavar="N",
+                   help="verifier replicas (they share the pool's trees; a request's KV is "
+                        "rebuilt on whichever takes its next step) [1]")
     p.add_argument("--secure", action="store_true",
                    help="TLS (mutual) between all services and on the gateway, an API key on the "
                         "gateway, Redis with a password over TLS: a local CA and the key are made "

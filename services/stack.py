@@ -61,7 +61,11 @@ class Child:
     log: Path
     process: subprocess.Popen
     metrics_port: int  # its Prometheus metrics: http://127.0.0.1:PORT/metrics
+    name: str = ""  # the role, or "verifier-2" for a second replica (its log file's name)
     started: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.name = self.name or self.role
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -79,6 +83,7 @@ class Stack:
     gateway_port: int
     log_dir: Path
     secure: bool = False  # TLS (mutual) everywhere, an API key, Redis with a password over TLS
+    verifiers: int = 1  # replicas, consumers of the same pool
     children: list[Child] = field(default_factory=list)
     redis: object | None = None  # RedisServer when we started one
     http_port: int | None = None  # the gateway's OpenAI-compatible HTTP API (None: off)
@@ -113,26 +118,30 @@ class Stack:
         drafting = tuple(role for role, used in (("drafter", serves_drafter(settings)),
                                                  ("datastore", source != "model")) if used)
         self.settings = settings  # what the children run with (the health checks' TLS too)
-        for group in (("verifier", *drafting), ("router",), ("gateway",)):
-            started = [self.spawn(role, ports[role], settings) for role in group]
+        started = [self.spawn("verifier", ports["verifier"] if i == 0 else free_port(), settings,
+                              name="verifier" if i == 0 else f"verifier-{i + 1}")
+                   for i in range(self.verifiers)]
+        for group in (drafting, ("router",), ("gateway",)):
+            started += [self.spawn(role, ports[role], settings) for role in group]
             for child in started:
                 self.wait_healthy(child)
+            started = []
 
-    def spawn(self, role: str, port: int, settings: Settings,
-              metrics_port: int | None = None, append: bool = False) -> Child:
+    def spawn(self, role: str, port: int, settings: Settings, metrics_port: int | None = None,
+              append: bool = False, name: str = "") -> Child:
         metrics_port = metrics_port or free_port()
         env = {**os.environ, **settings_env(settings.with_overrides(port=port,
                                                                     metrics_port=metrics_port))}
         if "OMP_NUM_THREADS" not in os.environ:
             placement = cores.plan(settings.cores, settings.drafter_cores)
             env["OMP_NUM_THREADS"] = str(placement.threads(role))
-        log = self.log_dir / f"{role}.log"
+        log = self.log_dir / f"{name or role}.log"
         out = open(log, "a" if append else "w")
         command = [*orphan_guard(), sys.executable, "-m", "specmesh_services.cli", "serve", role]
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, env=env)
         out.close()
-        child = Child(role, port, log, process, metrics_port)
+        child = Child(role, port, log, process, metrics_port, name)
         self.children.append(child)
         return child
 
@@ -143,7 +152,8 @@ class Stack:
         with open(dead.log, "a") as log:
             log.write(f"--- exited with code {dead.process.returncode}; restarted ---\n")
         index = self.children.index(dead)
-        child = self.spawn(dead.role, dead.port, self.settings, dead.metrics_port, append=True)
+        child = self.spawn(dead.role, dead.port, self.settings, dead.metrics_port, append=True,
+                           name=dead.name)
         self.children.remove(child)
         self.children[index] = child
         self.wait_healthy(child, stopping)
@@ -212,7 +222,7 @@ class Stack:
         return {"pid": os.getpid(), "gateway": f"127.0.0.1:{self.gateway_port}",
                 "http": self.http_url, "secure": str(self.secure_dir) if self.secure else None,
                 "redis_url": _redacted(self.settings.redis_url), "log_dir": str(self.log_dir),
-                "children": {c.role: {"pid": c.process.pid, "port": c.port,
+                "children": {c.name: {"pid": c.process.pid, "port": c.port,
                                       "metrics": f"http://127.0.0.1:{c.metrics_port}/metrics"}
                              for c in self.children}}
 
@@ -247,7 +257,8 @@ def prepare_datastore(settings: Settings) -> None:
 # commands
 
 
-def up(settings: Settings, port: int, detach: bool, secure: bool = False) -> int:
+def up(settings: Settings, port: int, detach: bool, secure: bool = False,
+       verifiers: int = 1) -> int:
     state = state_path(settings)
     running = _read_state(state)
     if running and pid_alive(running["pid"]):
@@ -255,16 +266,16 @@ def up(settings: Settings, port: int, detach: bool, secure: bool = False) -> int
               f"`specmesh down` first", file=sys.stderr)
         return 1
     if detach:
-        return _up_detached(settings, port, state, secure)
+        return _up_detached(settings, port, state, secure, verifiers)
     log_dir = settings.stack_dir / "logs"  # Stack.start creates it
-    stack = Stack(settings, port, log_dir, secure=secure)
+    stack = Stack(settings, port, log_dir, secure=secure, verifiers=verifiers)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     try:
         print(f"starting specmesh ({settings.model}); logs in {log_dir}", flush=True)
         stack.start()
         state.write_text(json.dumps(stack.describe(), indent=1))
-        print("Prometheus metrics: " + ", ".join(f"{c.role} http://127.0.0.1:{c.metrics_port}"
+        print("Prometheus metrics: " + ", ".join(f"{c.name} http://127.0.0.1:{c.metrics_port}"
                                                  "/metrics" for c in stack.children), flush=True)
         print(f"specmesh is up: gateway on 127.0.0.1:{port}{_http_note(stack.http_url)}. "
               + (secure_note(stack.secure_dir) if secure else
@@ -290,13 +301,14 @@ def up(settings: Settings, port: int, detach: bool, secure: bool = False) -> int
             state.unlink()
 
 
-def _up_detached(settings: Settings, port: int, state: Path, secure: bool) -> int:
+def _up_detached(settings: Settings, port: int, state: Path, secure: bool,
+                 verifiers: int) -> int:
     state.parent.mkdir(parents=True, exist_ok=True)
     log = state.parent / "up.log"
     env = {**os.environ, **settings_env(settings)}
     with open(log, "w") as out:
         command = [sys.executable, "-m", "specmesh_services.cli", "up", "--port", str(port),
-                   *(["--secure"] if secure else [])]
+                   "--verifiers", str(verifiers), *(["--secure"] if secure else [])]
         process = subprocess.Popen(command,
                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    env=env, start_new_session=True)

@@ -44,18 +44,18 @@ def supervise(stack, stopping: list, on_change: Callable[[], None]) -> None:
         time.sleep(0.5)  # a signal to the whole group may reach this process last
         if stopping:
             return
-        delay = backoff.next(dead.role, time.monotonic() - dead.started)
-        print(f"{dead.role} died (code {dead.process.returncode}); restart "
-              f"{backoff.restarts[dead.role]} in {delay:.0f} s. Its log ended with:\n"
+        delay = backoff.next(dead.name, time.monotonic() - dead.started)
+        print(f"{dead.name} died (code {dead.process.returncode}); restart "
+              f"{backoff.restarts[dead.name]} in {delay:.0f} s. Its log ended with:\n"
               f"{dead.log_tail()}", file=sys.stderr, flush=True)
         if not _sleep(delay, stopping):
             return
         try:
             child = stack.restart(dead, stopping)
         except RuntimeError as err:  # it died again while starting: the next turn backs off
-            print(f"{dead.role} did not come back: {err}", file=sys.stderr, flush=True)
+            print(f"{dead.name} did not come back: {err}", file=sys.stderr, flush=True)
             continue
-        print(f"{child.role} restarted (pid {child.process.pid})", flush=True)
+        print(f"{child.name} restarted (pid {child.process.pid})", flush=True)
         on_change()
 
 

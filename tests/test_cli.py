@@ -156,15 +156,19 @@ def test_down_kills_a_supervisor_that_ignores_sigterm(tmp_path, monkeypatch):
 
 
 def test_up_restarts_a_killed_child_and_its_stream_completes_unchanged(cli_env, tmp_path):
-    """SIGKILL the datastore (the default model's drafter) mid-stream: the request completes
-    with the undisturbed run's tokens, `up` logs why it died and starts it again on its port,
-    and the stack serves on."""
+    """Two verifier replicas; SIGKILL the datastore (the default model's drafter) mid-stream:
+    the request completes with the undisturbed run's tokens, `up` logs why it died and starts it
+    again on its port, and the stack serves on."""
     from specmesh import Client
 
     port = free_port()
-    up = run_cli(["up", "--detach", "--port", str(port), "--http-port", "0"], cli_env)
+    up = run_cli(["up", "--detach", "--port", str(port), "--http-port", "0", "--verifiers", "2"],
+                 cli_env)
     assert up.returncode == 0, up.stdout + up.stderr
     state = tmp_path / "run" / "stack.json"
+    children = json.loads(state.read_text())["children"]
+    assert {"verifier", "verifier-2"} <= set(children)
+    assert all(pid_alive(c["pid"]) for c in children.values())
     try:
         with Client(f"127.0.0.1:{port}", timeout=300) as client:
             prompt = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
