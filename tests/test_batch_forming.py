@@ -96,3 +96,35 @@ def test_measured_policy_waits_only_for_trees_due_within_a_steps_fixed_cost():
     assert joined == 2 and waited < 0.2, "due within the fixed cost: waited for it"
     alone, waited = asyncio.run(run(turnaround=1.0))
     assert alone == 1 and waited < 0.04, "due after the fixed cost: stepped at once"
+
+
+def test_an_entry_that_fails_every_verifier_is_dead_lettered():
+    """A tree whose step raises every time (the loop logs it, the entry stays unacknowledged
+    and is re-claimed) goes to the dead-letter stream after max_deliveries; its router gets the
+    reason as an error result, and the worker serves on."""
+    class Crashing:
+        name = "verifier-test"
+        steps = 0
+
+        def step_entries(self, entries):
+            raise RuntimeError("poison")
+
+    async def run():
+        pool = MemoryPool()
+        w = VerifierWorker(Crashing(), pool, executor=None,
+                           settings=VerifierSettings(claim_idle_s=0.05, max_deliveries=3,
+                                                     batch_wait_s=0))
+        w._run = lambda fn, *args: asyncio.sleep(0, fn(*args))  # no executor: run inline
+        await pool.put_request(pool_pb2.RequestState(request_id="a", prompt_ids=[1]), 60)
+        await pool.submit(pool_pb2.DraftEntry(request_id="a", step=1, reply_to="r"))
+        w.start()
+        try:
+            results = await pool.results("r", block_s=10.0)
+        finally:
+            await w.stop()
+        return results, await pool.dead_letters(), await pool.pending(), w
+    results, dead, pending, w = asyncio.run(run())
+    (failed,) = results
+    assert "delivered 4 times without being verified" in failed.error
+    assert [reason for _, reason in dead] == [failed.error] and pending == 0
+    assert w.metrics.dead_lettered._value.get() == 1

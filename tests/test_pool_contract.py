@@ -217,6 +217,24 @@ def test_claim_stale_redelivers_unacknowledged_entries(pool, run):
     run(body())
 
 
+def test_a_dead_lettered_entry_leaves_the_drafts_and_fails_its_step(pool, run):
+    async def body():
+        await pool.put_request(state("r1"), TTL_S)
+        await pool.submit(draft("r1", step=3, base_len=0))
+        taken = await take_one(pool, "v1")
+        await pool.dead_letter(taken, "delivered 6 times without being verified")
+        assert await pool.pending() == 0
+        assert await pool.claim_stale("v2", min_idle_s=0, count=10) == []
+        ((entry, reason),) = await pool.dead_letters()
+        assert entry == taken.entry and reason == "delivered 6 times without being verified"
+        (failed,) = await pool.results("router-a", block_s=1.0)
+        assert (failed.request_id, failed.step, failed.error) == \
+            ("r1", 3, "delivered 6 times without being verified")
+        assert (await pool.get_request("r1"))[1] == [], "nothing was applied"
+
+    run(body())
+
+
 def test_pending_counts_queued_and_unacknowledged(pool, run):
     async def body():
         assert await pool.pending() == 0

@@ -176,6 +176,10 @@ class VerifierSettings(Section):
     prune_layer: int | None = Field(None, ge=1, description="early pruning with prune=on: the "
                                     "cached early head of this layer (default: the lowest)")
     claim_idle_s: float = Field(30.0, gt=0, description="re-claim drafts unacknowledged this long")
+    max_deliveries: int = Field(5, ge=1, description="a draft delivered this many times without "
+                                "being verified (every verifier that took it died or failed on "
+                                "it) goes to the dead-letter stream, its request fails with the "
+                                "reason logged")
     batch_wait_s: float | None = Field(
         None, ge=0, description="with fewer trees in hand than requests it is serving, wait this "
         "long for the others' trees to fill the batch (default: measured, only for trees due "

@@ -236,6 +236,9 @@ class VerifierMetrics:
         self.reclaimed = Counter("specmesh:pool_reclaimed_entries", "trees this verifier "
                                  "re-claimed after another consumer held them too long (a "
                                  "verifier died or hung)", registry=r)
+        self.dead_lettered = Counter("specmesh:pool_dead_lettered_entries", "trees this "
+                                     "verifier gave up on after max_deliveries deliveries "
+                                     "(moved to the dead-letter stream)", registry=r)
 
     def observe_step(self, engine: VerifierEngine, stats: StepStats, drafted: int,
                      accepted: int) -> None:

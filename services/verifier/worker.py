@@ -94,6 +94,7 @@ class VerifierWorker:
                     fresh = await self.pool.claim_stale(self.name, self.settings.claim_idle_s,
                                                         count)
                     self.metrics.reclaimed.inc(len(fresh))
+                    fresh = await self._give_up_on_poison(fresh)
                     next_claim = time.monotonic() + self.settings.claim_idle_s / 2
                 if not fresh:
                     fresh = await self.pool.take(self.name, count, block_s=wait)
@@ -113,6 +114,19 @@ class VerifierWorker:
                 log.exception("verifier step failed")
                 backlog = []
                 await asyncio.sleep(0.5)
+
+    async def _give_up_on_poison(self, taken: list[Taken]) -> list[Taken]:
+        """Dead-letters the entries delivered more than `max_deliveries` times (a tree that
+        crashes or fails every verifier would otherwise come back forever); returns the rest."""
+        limit = self.settings.max_deliveries
+        for t in (t for t in taken if t.deliveries > limit):
+            reason = (f"delivered {t.deliveries} times without being verified: every verifier "
+                      f"that took it died or failed on it")
+            log.warning("dead-lettering step %d of request %s: %s", t.entry.step,
+                        t.entry.request_id, reason)
+            await self.pool.dead_letter(t, reason)
+            self.metrics.dead_lettered.inc()
+        return [t for t in taken if t.deliveries <= limit]
 
     def _arrived(self, taken: list[Taken]) -> None:
         """Measures the turnaround of requests whose next tree just came in."""

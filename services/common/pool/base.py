@@ -7,7 +7,8 @@ entry's `base_len`, the new tokens are appended to the request state, the Verify
 published to the router named in `reply_to`, and the entry is acknowledged. A duplicate (already
 applied) entry is only acknowledged. Routers read their results with `results`. When a request
 ends, `delete_request` drops its state and announces the id on the release feed, which every
-verifier follows (`releases`) to free its KV cache.
+verifier follows (`releases`) to free its KV cache. A draft delivered too many times without
+being completed (each verifier that took it died or failed on it) is `dead_letter`ed.
 """
 from __future__ import annotations
 
@@ -65,6 +66,16 @@ class Pool(abc.ABC):
     @abc.abstractmethod
     async def ack(self, taken: Taken) -> None:
         """Acknowledges a draft without a result (dropped on purpose)."""
+
+    @abc.abstractmethod
+    async def dead_letter(self, taken: Taken, reason: str) -> None:
+        """Gives up on a draft that keeps failing: it moves to the dead-letter stream with
+        `reason`, leaves the drafts, and its router gets a VerifyResult with `error` = reason
+        (the request fails at once instead of waiting for a result that never comes)."""
+
+    @abc.abstractmethod
+    async def dead_letters(self, count: int = 100) -> list[tuple[pool_pb2.DraftEntry, str]]:
+        """The last `count` dead-lettered drafts and their reasons, oldest first."""
 
     @abc.abstractmethod
     async def pending(self) -> int:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from specmesh_services.common.pool.base import Pool, Taken
 from specmesh.v1 import pool_pb2
 
+DEAD_MAXLEN = 10_000  # dead-lettered drafts kept
 DRAFTS, RESULTS, RELEASES = "drafts", "results", "releases"
 
 
@@ -38,6 +39,12 @@ class _Feed:
     last: int = 0
 
 
+def _failed(taken: Taken, reason: str) -> pool_pb2.VerifyResult:
+    entry = taken.entry
+    return pool_pb2.VerifyResult(request_id=entry.request_id, step=entry.step,
+                                 base_len=entry.base_len, error=reason)
+
+
 class MemoryPool(Pool):
     def __init__(self) -> None:
         self._requests: dict[str, _Request] = {}
@@ -45,6 +52,7 @@ class MemoryPool(Pool):
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
         self._results: dict[str, deque[pool_pb2.VerifyResult]] = {}
         self._releases = _Feed()
+        self._dead: deque[tuple[pool_pb2.DraftEntry, str]] = deque(maxlen=DEAD_MAXLEN)
         self._ids = itertools.count(1)
         # waiters by what they wait for: a new draft (verifiers), a result (routers), a release
         self._waiters: dict[str, set[asyncio.Future]] = {DRAFTS: set(), RESULTS: set(),
@@ -159,6 +167,16 @@ class MemoryPool(Pool):
 
     async def ack(self, taken: Taken) -> None:
         self._pending.pop(taken.entry_id, None)
+
+    async def dead_letter(self, taken: Taken, reason: str) -> None:
+        self._pending.pop(taken.entry_id, None)
+        self._queued.pop(taken.entry_id, None)
+        self._dead.append((taken.entry, reason))
+        self._results.setdefault(taken.entry.reply_to, deque()).append(_failed(taken, reason))
+        self._notify(RESULTS)
+
+    async def dead_letters(self, count: int = 100) -> list[tuple[pool_pb2.DraftEntry, str]]:
+        return list(self._dead)[-count:]
 
     async def pending(self) -> int:
         return len(self._queued) + len(self._pending)

@@ -10,10 +10,12 @@ Key layout, all under `prefix` (default "specmesh"), written as `{p}`:
                             verifier); acknowledged entries are deleted, so XLEN = pending
     {p}:results:{router}    stream of VerifyResult for one router, consumer group `routers`
                             (consumer = router id), acknowledged as soon as read, MAXLEN ~ 10000
+    {p}:dead                stream of drafts given up on (`dead_letter`): data, reason and
+                            deliveries, MAXLEN ~ 10000
     {p}:releases            stream of released request ids (broadcast: plain XREAD from a cursor),
                             MAXLEN ~ 10000
 
-Every stream entry has one field, `data` (protobuf bytes; the request id for releases).
+Every stream entry has a field `data` (protobuf bytes; the request id for releases).
 `complete` is one Lua script, so the check-append-publish-acknowledge step is atomic; a
 stale or duplicate entry is only acknowledged. Groups are created on first use (MKSTREAM, id 0)
 and again if Redis lost them (NOGROUP), so a restarted Redis only loses in-flight work.
@@ -34,6 +36,7 @@ VERIFIERS = "verifiers"  # consumer group of the drafts stream
 ROUTERS = "routers"  # consumer group of every results stream
 RESULTS_MAXLEN = 10_000  # approximate cap of a router's results stream
 RELEASES_MAXLEN = 10_000  # approximate cap of the release feed
+DEAD_MAXLEN = 10_000  # approximate cap of the dead-letter stream
 RELEASES_BATCH = 1_000  # ids returned by one `releases` call at most
 
 T = TypeVar("T")
@@ -106,6 +109,7 @@ class RedisPool(Pool):
         self._prefix = prefix
         self._drafts = f"{prefix}:drafts"
         self._release_feed = f"{prefix}:releases"
+        self._dead = f"{prefix}:dead"
         self._groups: set[tuple[str, str]] = set()  # (stream, group) known to exist
         self._complete = self._redis.register_script(_COMPLETE_LUA)
         self._claim = self._redis.register_script(_CLAIM_LUA)
@@ -199,6 +203,24 @@ class RedisPool(Pool):
             pipe.xack(self._drafts, VERIFIERS, taken.entry_id)
             pipe.xdel(self._drafts, taken.entry_id)
             await pipe.execute()
+
+    async def dead_letter(self, taken: Taken, reason: str) -> None:
+        entry = taken.entry
+        failed = pool_pb2.VerifyResult(request_id=entry.request_id, step=entry.step,
+                                       base_len=entry.base_len, error=reason)
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.xadd(self._dead, {"data": entry.SerializeToString(), "reason": reason,
+                                   "deliveries": taken.deliveries},
+                      maxlen=DEAD_MAXLEN, approximate=True)
+            pipe.xack(self._drafts, VERIFIERS, taken.entry_id)
+            pipe.xdel(self._drafts, taken.entry_id)
+            pipe.xadd(self._results(entry.reply_to), {"data": failed.SerializeToString()},
+                      maxlen=RESULTS_MAXLEN, approximate=True)
+            await pipe.execute()
+
+    async def dead_letters(self, count: int = 100) -> list[tuple[pool_pb2.DraftEntry, str]]:
+        rows = await self._redis.xrevrange(self._dead, count=count)
+        return [(_draft(fields[b"data"]), fields[b"reason"].decode()) for _, fields in rows[::-1]]
 
     async def pending(self) -> int:
         # Acknowledged entries are deleted, so the stream holds exactly the queued + unacked ones.
