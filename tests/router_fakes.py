@@ -92,6 +92,9 @@ class FakePool:
     async def pending(self) -> int:
         return self.queue.qsize() + self.verifying
 
+    async def has_entry(self, entry_id: str) -> bool:
+        return True  # nothing is lost here
+
     async def results(self, router_id: str, block_s: float) -> list[pool_pb2.VerifyResult]:
         arrived = self._arrived[router_id]
         if not self._results[router_id]:

@@ -338,6 +338,21 @@ def test_compose_publishes_the_gateway_and_jaeger(monkeypatch, compose):
     assert published_ports(compose["services"]["jaeger"]) == {16686: 16686, 4317: 4317}
 
 
+def test_the_pool_keeps_an_append_only_file_in_compose_and_k8s(compose, manifests):
+    """A Redis restart loses nothing (tests/test_redis_restart.py): both deployments turn the
+    append-only file on and keep it on a volume."""
+    redis = compose["services"]["redis"]
+    command = redis["command"]
+    assert command[command.index("--appendonly") + 1] == "yes"
+    data_dir = command[command.index("--dir") + 1]
+    assert any(v.split(":")[1] == data_dir for v in redis["volumes"])
+    (container,) = of_kind(manifests, "Deployment")["redis"]["spec"]["template"]["spec"][
+        "containers"]
+    args = container["args"]
+    assert args[args.index("--appendonly") + 1] == "yes"
+    assert {m["mountPath"] for m in container["volumeMounts"]} == {args[args.index("--dir") + 1]}
+
+
 def test_compose_scrapes_every_service_and_provisions_the_dashboard(monkeypatch, compose):
     """Prometheus scrapes each specmesh service on the port its settings serve metrics on;
     Grafana mounts the provisioning (datasource = that Prometheus) and the dashboards."""

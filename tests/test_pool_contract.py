@@ -217,6 +217,19 @@ def test_claim_stale_redelivers_unacknowledged_entries(pool, run):
     run(body())
 
 
+def test_has_entry_until_the_draft_is_completed(pool, run):
+    async def body():
+        await pool.put_request(state("r1"), TTL_S)
+        entry_id = await pool.submit(draft("r1"))
+        assert await pool.has_entry(entry_id)
+        taken = await take_one(pool)
+        assert await pool.has_entry(entry_id), "being verified"
+        assert await pool.complete(taken, result(taken, [], 5), [5])
+        assert not await pool.has_entry(entry_id)
+
+    run(body())
+
+
 def test_a_dead_lettered_entry_leaves_the_drafts_and_fails_its_step(pool, run):
     async def body():
         await pool.put_request(state("r1"), TTL_S)

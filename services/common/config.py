@@ -191,6 +191,10 @@ class RouterSettings(Section):
     """The router service: per-request steps, back-pressure, micro-batching of draft calls."""
 
     step_timeout_s: float = Field(120.0, gt=0, description="give up on a step after this long")
+    resubmit_s: float = Field(5.0, gt=0, description="a step with no result this long whose tree "
+                              "is gone from the pool (lost with a Redis restart) is submitted "
+                              "again; duplicates are harmless (a stale tree is only "
+                              "acknowledged)")
     request_ttl_s: float = Field(3600.0, gt=0, description="pool state expiry of abandoned requests")
     max_pending_trees: int | None = Field(
         None, ge=0, description="back-pressure: pause drafting while this many trees wait in the "

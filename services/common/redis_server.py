@@ -4,7 +4,8 @@ no --redis-url is given) and of the tests.
     with RedisServer() as server:
         pool = connect(server.url)
 
-No persistence (`--save ""`, no AOF), its files in a temporary directory removed on stop. On
+No persistence (`--save ""`, no AOF) unless `appendonly` (an append-only file fsync'd on every
+write, kept across `restart()`), its files in a temporary directory removed on stop. On
 Linux the server gets a parent-death signal, so it never outlives the process (more exactly:
 the thread) that started it. With `password` it requires AUTH; with `tls` (a CA, certificate
 and key: `security.local_pki`) it speaks TLS only (`rediss://`, clients verify it with the CA).
@@ -56,11 +57,12 @@ class RedisServer:
     (default: a file in its temporary directory)."""
 
     def __init__(self, binary: str | None = None, log_path: str | Path | None = None,
-                 password: str | None = None, tls=None) -> None:
+                 password: str | None = None, tls=None, appendonly: bool = False) -> None:
         self.binary = binary
         self.log_path = Path(log_path) if log_path is not None else None
         self.password = password
         self.tls = tls  # security.LocalPki or None
+        self.appendonly = appendonly  # AOF, fsync'd on every write: a restart keeps everything
         self.port = 0
         self.process: subprocess.Popen | None = None
         self._dir: Path | None = None
@@ -100,12 +102,22 @@ class RedisServer:
                     raise
         return self
 
-    def _spawn(self, binary: str) -> None:
-        self.port = free_port()
+    def restart(self) -> RedisServer:
+        """Stops the server and starts it again on the same port and directory (with
+        `appendonly`, with its data)."""
+        self._terminate()
+        self._spawn(self.binary or find_redis_server(), port=self.port)
+        self._wait_ready()
+        return self
+
+    def _spawn(self, binary: str, port: int | None = None) -> None:
+        self.port = port or free_port()
         log = self.log_path or self._dir / "redis.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         args = [*orphan_guard(), binary, "--port", str(self.port), "--bind", "127.0.0.1",
-                "--protected-mode", "yes", "--save", "", "--appendonly", "no", "--dir", str(self._dir), "--daemonize", "no"]
+                "--protected-mode", "yes", "--save", "", "--dir", str(self._dir), "--daemonize", "no",
+                *(["--appendonly", "yes", "--appendfsync", "always"] if self.appendonly
+                  else ["--appendonly", "no"])]
         if self.password:
             args += ["--requirepass", self.password]
         if self.tls is not None:  # TLS only, the client verified by its password, not a cert

@@ -29,7 +29,7 @@ from dataclasses import replace
 from specmesh_services.common import telemetry
 from specmesh_services.common.config import RouterSettings, SpeculationSettings
 from specmesh_services.common.metrics import RouterMetrics
-from specmesh_services.common.pool import Pool
+from specmesh_services.common.pool import POOL_DOWN, Pool
 from specmesh_services.common.sampling import SamplingParams
 from specmesh_services.router.arms import ArmSet
 from specmesh_services.router.batching import MicroBatcher
@@ -230,14 +230,57 @@ class Router:
         if not limit:
             return
         deadline = time.monotonic() + self.settings.step_timeout_s
-        if await self.pool.pending() < limit:
-            return
-        self.waiting += 1
         try:
-            while await self.pool.pending() >= limit and time.monotonic() < deadline:
-                await asyncio.sleep(0.002)
-        finally:
-            self.waiting -= 1
+            if await self.pool.pending() < limit:
+                return
+            self.waiting += 1
+            try:
+                while await self.pool.pending() >= limit and time.monotonic() < deadline:
+                    await asyncio.sleep(0.002)
+            finally:
+                self.waiting -= 1
+        except POOL_DOWN:
+            return  # no count to go by: the submit that follows retries until the pool is back
+
+    async def _submit(self, entry: pool_pb2.DraftEntry) -> str:
+        """Submits `entry`, retrying with backoff (0.1 s doubling to 2 s) while the pool is
+        unreachable (Redis restarting), for at most `step_timeout_s`."""
+        deadline, delay = time.monotonic() + self.settings.step_timeout_s, 0.1
+        while True:
+            try:
+                return await self.pool.submit(entry)
+            except POOL_DOWN as err:
+                if time.monotonic() + delay > deadline:
+                    raise TimeoutError(f"the pool is unreachable: {err}") from err
+                log.warning("submitting step %d of %s: %s; retrying in %.1f s", entry.step,
+                            entry.request_id, err, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    async def _result(self, future: asyncio.Future, entry: pool_pb2.DraftEntry,
+                      entry_id: str) -> pool_pb2.VerifyResult:
+        """The step's result; meanwhile, every `resubmit_s`, a tree no longer in the pool and
+        not answered (lost with a Redis restart) is submitted again. Raises TimeoutError after
+        `step_timeout_s`."""
+        deadline = time.monotonic() + self.settings.step_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no verifier answered step {entry.step} of "
+                                   f"{entry.request_id} within {self.settings.step_timeout_s:.0f}"
+                                   f" s: is a verifier running on this pool?")
+            try:
+                return await asyncio.wait_for(asyncio.shield(future),
+                                              min(self.settings.resubmit_s, left))
+            except asyncio.TimeoutError:
+                pass
+            try:
+                if not future.done() and not await self.pool.has_entry(entry_id):
+                    log.warning("step %d of %s is gone from the pool unanswered: submitting it "
+                                "again", entry.step, entry.request_id)
+                    entry_id = await self._submit(entry)
+            except Exception as err:  # noqa: BLE001 - Redis down: try again next turn
+                log.warning("checking step %d of %s: %s", entry.step, entry.request_id, err)
 
     def _validate(self, request: router_pb2.RouteRequest, prompt: list[int],
                   params: SamplingParams) -> None:
@@ -279,13 +322,8 @@ class Router:
                                             tree=tree, reply_to=self.router_id,
                                             trace_context=telemetry.inject(),
                                             heads_nodes=heads_nodes)
-                await self.pool.submit(entry)
-            try:
-                result = await asyncio.wait_for(future, self.settings.step_timeout_s)
-            except asyncio.TimeoutError:
-                raise TimeoutError(f"no verifier answered step {step} of {request_id} within "
-                                   f"{self.settings.step_timeout_s:.0f} s: is a verifier running "
-                                   f"on this pool?") from None
+                entry_id = await self._submit(entry)
+            result = await self._result(future, entry, entry_id)
         finally:
             self._waiting.pop((request_id, step), None)
         if result.error:

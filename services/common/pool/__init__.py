@@ -4,8 +4,14 @@ Drafts wait for a verifier, results wait for their router, request state survive
 `RedisPool` (Redis streams + consumer groups) is the distributed one; `MemoryPool` serves the
 embedded mode with the same contract (tests/test_pool_contract.py runs against both).
 """
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
 from specmesh_services.common.pool.base import Pool, Taken
 from specmesh_services.common.pool.memory import MemoryPool
+
+# what a call raises while the pool is unreachable (Redis restarting): worth a retry
+POOL_DOWN = (ConnectionError, OSError, RedisConnectionError, RedisTimeoutError)
 
 
 def connect(redis_url: str | None, prefix: str = "specmesh") -> Pool:
@@ -17,4 +23,4 @@ def connect(redis_url: str | None, prefix: str = "specmesh") -> Pool:
     return RedisPool(redis_url, prefix=prefix)
 
 
-__all__ = ["MemoryPool", "Pool", "Taken", "connect"]
+__all__ = ["POOL_DOWN", "MemoryPool", "Pool", "Taken", "connect"]

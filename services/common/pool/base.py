@@ -78,6 +78,11 @@ class Pool(abc.ABC):
         """The last `count` dead-lettered drafts and their reasons, oldest first."""
 
     @abc.abstractmethod
+    async def has_entry(self, entry_id: str) -> bool:
+        """Whether a submitted draft is still queued or being verified (False once it was
+        completed, acknowledged, dead-lettered, or lost with a Redis that kept no data)."""
+
+    @abc.abstractmethod
     async def pending(self) -> int:
         """Drafts submitted but not yet acknowledged (queued or in verification)."""
 

@@ -178,6 +178,9 @@ class MemoryPool(Pool):
     async def dead_letters(self, count: int = 100) -> list[tuple[pool_pb2.DraftEntry, str]]:
         return list(self._dead)[-count:]
 
+    async def has_entry(self, entry_id: str) -> bool:
+        return entry_id in self._queued or entry_id in self._pending
+
     async def pending(self) -> int:
         return len(self._queued) + len(self._pending)
 

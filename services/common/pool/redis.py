@@ -222,6 +222,9 @@ class RedisPool(Pool):
         rows = await self._redis.xrevrange(self._dead, count=count)
         return [(_draft(fields[b"data"]), fields[b"reason"].decode()) for _, fields in rows[::-1]]
 
+    async def has_entry(self, entry_id: str) -> bool:
+        return bool(await self._redis.xrange(self._drafts, entry_id, entry_id, count=1))
+
     async def pending(self) -> int:
         # Acknowledged entries are deleted, so the stream holds exactly the queued + unacked ones.
         return await self._redis.xlen(self._drafts)
