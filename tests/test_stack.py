@@ -209,6 +209,12 @@ def verifier_info(stack):
                                                             timeout=5)
 
 
+def drafter_info(stack):
+    with grpc.insecure_channel(f"127.0.0.1:{child(stack, 'drafter').port}") as channel:
+        return drafter_pb2_grpc.DrafterStub(channel).Info(drafter_pb2.DrafterInfoRequest(),
+                                                          timeout=5)
+
+
 def pool_keys(stack, kind):
     with redis.Redis.from_url(stack.settings.redis_url) as r:
         return r.keys(f"{stack.settings.pool_prefix}:{kind}:*")
@@ -312,12 +318,17 @@ def test_drafter_reports_its_models_and_their_measured_cost(stack):
 
 
 def test_cancelled_stream_releases_the_request(stack, client):
+    """A client gone mid-stream frees everything its request held: pool state, the verifier's
+    KV rows, the drafter's draft state (counted)."""
     stream = client.stream("Write a very long story about a dragon.", max_tokens=400)
     assert next(stream).token_ids
     stream.close()  # the client goes away mid-generation
     wait_until(lambda: not pool_keys(stack, "req"), what="the pool state to be dropped")
-    wait_until(lambda: verifier_info(stack).active_requests == 0,
-               what="the verifier to free the request's KV cache")
+    wait_until(lambda: verifier_info(stack).active_requests == 0
+               and verifier_info(stack).kv_used_tokens == 0,
+               what="the verifier to free the request's KV rows")
+    wait_until(lambda: drafter_info(stack).held_requests == 0,
+               what="the drafter to drop the request's draft state")
 
 
 def test_killed_verifier_loses_nothing(stack, questions, hf_greedy_reference):

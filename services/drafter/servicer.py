@@ -38,7 +38,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             drafter_pb2.DraftModelInfo(name=m.name, kind=m.kind, num_layers=m.lm.num_layers,
                                        vocab_size=m.lm.vocab_size, level_seconds=m.level_seconds,
                                        prefill_token_seconds=m.prefill_token_seconds)
-            for m in self.models.values()])
+            for m in self.models.values()],
+            held_requests=sum(len(m.requests) for m in self.models.values()))
 
     @rpc_errors
     async def Prefill(self, request, context):
