@@ -140,7 +140,7 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(web, body, statu
     assert reply.status_code == status
     error = reply.json()["error"]
     assert message in error["message"] and error["type"] == "invalid_request_error"
-    ok = web.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+    ok = web.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "temperature": 0})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
 
@@ -167,7 +167,8 @@ def test_a_missing_or_wrong_key_is_401(ports, web, header):
 
 def test_stream_is_server_sent_events_ending_in_done(web):
     with web.stream("POST", "/v1/completions",
-                    json={"prompt": PROMPT, "max_tokens": 4, "stream": True}) as reply:
+                    json={"prompt": PROMPT, "max_tokens": 4, "stream": True,
+                          "temperature": 0}) as reply:
         assert reply.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in reply.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
