@@ -15,7 +15,6 @@ import grpc
 
 from specmesh_services.common import cores, metrics, rpc, telemetry
 from specmesh_services.common.config import Settings
-from specmesh_services.common.rpc import start_server
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +57,7 @@ def compute_service(role: str, load: Callable[[Settings], object],
     async def start(settings: Settings):
         executor = compute_executor(settings, role)
         state = await asyncio.get_running_loop().run_in_executor(executor, load, settings)
-        server, port = await start_server(
+        server, port = await rpc.start_server(
             [(add_to_server, make_servicer(state, executor), service_name)],
             settings.host, settings.port, settings.tls)
 
