@@ -2,6 +2,7 @@
 API on `gateway.http_port`, both over one GatewayServicer."""
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -9,6 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specmesh_gateway import http
 from specmesh_gateway.requests import ServedModel
+from specmesh_gateway.routers import Routers
 from specmesh_gateway.servicer import SERVICE_NAME, GatewayServicer
 from specmesh_services.common import metrics, models, security, serving
 from specmesh_services.common.config import Settings
@@ -26,32 +28,45 @@ def served_model(settings: Settings) -> ServedModel:
                        max_tokens_limit=settings.max_tokens_limit)
 
 
-def router_ready(router_channel: grpc.aio.Channel):
-    """/health: whether the router answers grpc.health.v1 as SERVING within a second."""
-    stub = health_pb2_grpc.HealthStub(router_channel)
+def router_ready(router_channels: list[grpc.aio.Channel]):
+    """/health: whether a router answers grpc.health.v1 as SERVING within a second."""
+    stubs = [health_pb2_grpc.HealthStub(c) for c in router_channels]
 
-    async def ready() -> bool:
+    async def serving(stub) -> bool:
         try:
             reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
         except grpc.RpcError:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def ready() -> bool:
+        return any(await asyncio.gather(*(serving(stub) for stub in stubs)))
     return ready
+
+
+def router_addresses(settings: Settings) -> list[str]:
+    addresses = [a.strip() for a in settings.router_address.split(",") if a.strip()]
+    if not addresses:
+        raise SystemExit("router_address is empty: give the router's host:port (comma-separated "
+                         "for replicas)")
+    return addresses
 
 
 async def start(settings: Settings):
     keys = security.api_keys(settings.gateway)
     if keys:
         log.info("API keys required: %d accepted", len(keys))
-    router_channel = channel(settings.router_address, settings.tls)
-    servicer = GatewayServicer(router_pb2_grpc.RouterStub(router_channel), served_model(settings))
+    router_channels = [channel(address, settings.tls) for address in router_addresses(settings)]
+    routers = Routers([router_pb2_grpc.RouterStub(c) for c in router_channels],
+                      settings.gateway.resume_s)
+    servicer = GatewayServicer(routers, served_model(settings))
     server, port = await start_server(
         [(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer, SERVICE_NAME)],
         settings.host, settings.port, settings.tls,
         [security.ApiKeyInterceptor(keys, [SERVICE_NAME])])
     stop_http = None
     if settings.gateway.http_port is not None:
-        app = http.create_app(servicer, ready=router_ready(router_channel), api_keys=keys,
+        app = http.create_app(servicer, ready=router_ready(router_channels), api_keys=keys,
                               registry=metrics.process_registry())
         http_port, stop_http = await http.serve(app, settings.host, settings.gateway.http_port,
                                                 settings.tls)
@@ -62,7 +77,8 @@ async def start(settings: Settings):
     async def cleanup() -> None:
         if stop_http is not None:
             await stop_http()
-        await router_channel.close()
+        for c in router_channels:
+            await c.close()
     return server, port, cleanup
 
 

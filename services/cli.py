@@ -175,7 +175,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from specmesh_services import stack
 
     return stack.up(settings_from(args), port=args.port, detach=args.detach, secure=args.secure,
-                    verifiers=args.verifiers)
+                    verifiers=args.verifiers, routers=args.routers)
 
 
 def cmd_down(args: argparse.Namespace) -> int:
@@ -412,6 +412,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verifiers", type=_positive, default=1, metavar="N",
                    help="verifier replicas (they share the pool's trees; a request's KV is "
                         "rebuilt on whichever takes its next step) [1]")
+    p.add_argument("--routers", type=_positive, default=1, metavar="N",
+                   help="router replicas (the gateway spreads new requests over them; a stream "
+                        "whose router dies goes on on another from the request's state in the "
+                        "pool) [1]")
     p.add_argument("--secure", action="store_true",
                    help="TLS (mutual) between all services and on the gateway, an API key on the "
                         "gateway, Redis with a password over TLS: a local CA and the key are made "

@@ -77,6 +77,11 @@ class Child:
             return ""
 
 
+def _replica(role: str, i: int) -> str:
+    """The name of a role's i-th replica: verifier, verifier-2, ..."""
+    return role if i == 0 else f"{role}-{i + 1}"
+
+
 @dataclass
 class Stack:
     settings: Settings
@@ -84,6 +89,7 @@ class Stack:
     log_dir: Path
     secure: bool = False  # TLS (mutual) everywhere, an API key, Redis with a password over TLS
     verifiers: int = 1  # replicas, consumers of the same pool
+    routers: int = 1  # replicas; the gateway spreads requests over them and resumes on another
     children: list[Child] = field(default_factory=list)
     redis: object | None = None  # RedisServer when we started one
     http_port: int | None = None  # the gateway's OpenAI-compatible HTTP API (None: off)
@@ -106,26 +112,32 @@ class Stack:
             self.redis.start()
             settings = settings.with_overrides(redis_url=self.redis.url)
         ports = {"verifier": free_port(), "drafter": free_port(), "datastore": free_port(),
-                 "router": free_port(), "gateway": self.gateway_port}
+                 "gateway": self.gateway_port}
+        router_ports = [free_port() for _ in range(self.routers)]
         self.http_port = settings.gateway.http_port
         if self.http_port == 0:
             self.http_port = free_port()  # chosen here, so that it can be printed
         settings = settings.with_overrides(**{"gateway.http_port": self.http_port},
-                                           router_address=f"127.0.0.1:{ports['router']}",
+                                           router_address=",".join(
+                                               f"127.0.0.1:{p}" for p in router_ports),
                                            drafter_address=f"127.0.0.1:{ports['drafter']}",
                                            datastore_address=f"127.0.0.1:{ports['datastore']}")
         source = settings.speculation.source
         drafting = tuple(role for role, used in (("drafter", serves_drafter(settings)),
                                                  ("datastore", source != "model")) if used)
         self.settings = settings  # what the children run with (the health checks' TLS too)
-        started = [self.spawn("verifier", ports["verifier"] if i == 0 else free_port(), settings,
-                              name="verifier" if i == 0 else f"verifier-{i + 1}")
-                   for i in range(self.verifiers)]
-        for group in (drafting, ("router",), ("gateway",)):
-            started += [self.spawn(role, ports[role], settings) for role in group]
-            for child in started:
-                self.wait_healthy(child)
-            started = []
+        # the pool's consumers and the draft sources, then the routers, then the gateway
+        first = [self.spawn("verifier", ports["verifier"] if i == 0 else free_port(), settings,
+                            name=_replica("verifier", i)) for i in range(self.verifiers)]
+        first += [self.spawn(role, ports[role], settings) for role in drafting]
+        self.wait_all(first)
+        self.wait_all([self.spawn("router", port, settings, name=_replica("router", i))
+                       for i, port in enumerate(router_ports)])
+        self.wait_all([self.spawn("gateway", ports["gateway"], settings)])
+
+    def wait_all(self, children: list[Child]) -> None:
+        for child in children:
+            self.wait_healthy(child)
 
     def spawn(self, role: str, port: int, settings: Settings, metrics_port: int | None = None,
               append: bool = False, name: str = "") -> Child:
@@ -258,7 +270,7 @@ def prepare_datastore(settings: Settings) -> None:
 
 
 def up(settings: Settings, port: int, detach: bool, secure: bool = False,
-       verifiers: int = 1) -> int:
+       verifiers: int = 1, routers: int = 1) -> int:
     state = state_path(settings)
     running = _read_state(state)
     if running and pid_alive(running["pid"]):
@@ -266,9 +278,9 @@ def up(settings: Settings, port: int, detach: bool, secure: bool = False,
               f"`specmesh down` first", file=sys.stderr)
         return 1
     if detach:
-        return _up_detached(settings, port, state, secure, verifiers)
+        return _up_detached(settings, port, state, secure, verifiers, routers)
     log_dir = settings.stack_dir / "logs"  # Stack.start creates it
-    stack = Stack(settings, port, log_dir, secure=secure, verifiers=verifiers)
+    stack = Stack(settings, port, log_dir, secure=secure, verifiers=verifiers, routers=routers)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     try:
@@ -302,13 +314,14 @@ def up(settings: Settings, port: int, detach: bool, secure: bool = False,
 
 
 def _up_detached(settings: Settings, port: int, state: Path, secure: bool,
-                 verifiers: int) -> int:
+                 verifiers: int, routers: int) -> int:
     state.parent.mkdir(parents=True, exist_ok=True)
     log = state.parent / "up.log"
     env = {**os.environ, **settings_env(settings)}
     with open(log, "w") as out:
         command = [sys.executable, "-m", "specmesh_services.cli", "up", "--port", str(port),
-                   "--verifiers", str(verifiers), *(["--secure"] if secure else [])]
+                   "--verifiers", str(verifiers), "--routers", str(routers),
+                   *(["--secure"] if secure else [])]
         process = subprocess.Popen(command,
                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    env=env, start_new_session=True)

@@ -162,19 +162,35 @@ def test_complete_appends_tokens_and_publishes_to_its_router(pool, run):
     run(body())
 
 
-def test_duplicate_or_stale_complete_is_only_acknowledged(pool, run):
+def test_a_stale_complete_appends_nothing_and_tells_its_router(pool, run):
     async def body():
         await pool.put_request(state("r1"), TTL_S)
         for _ in range(2):  # the same step submitted twice (e.g. a router retry)
             await pool.submit(draft("r1", step=0, base_len=0))
         first, dup = await pool.take("v1", 2, block_s=1.0)
         assert await pool.complete(first, result(first, [1], 2), [1, 2]) is True
-        assert await pool.complete(dup, result(dup, [1], 2), [1, 2]) is False
-        assert await pool.complete(first, result(first, [1], 2), [1, 2]) is False  # again
+        assert await pool.complete(dup, result(dup, [1], 2), [1, 2]) is False  # stale
+        assert await pool.complete(first, result(first, [1], 2), [1, 2]) is False  # duplicate
         assert (await pool.get_request("r1"))[1] == [1, 2]
-        assert len(await pool.results("router-a", 1.0)) == 1
-        assert await pool.results("router-a", NOTHING_S) == []
+        applied, stale = await pool.results("router-a", 1.0)
+        assert not applied.stale and list(applied.accepted) == [1]
+        assert stale.stale and stale.step == 0 and stale.base_len == 0 and not stale.accepted
+        assert await pool.results("router-a", NOTHING_S) == []  # a duplicate tells nobody
         assert await pool.pending() == 0
+
+    run(body())
+
+
+def test_a_draft_found_stale_before_verification_is_acknowledged_and_its_router_told(pool, run):
+    async def body():
+        await pool.put_request(state("r1"), TTL_S)
+        await pool.submit(draft("r1", step=3, base_len=7))
+        taken = await take_one(pool)
+        await pool.reply_stale(taken)
+        (reply,) = await pool.results("router-a", 1.0)
+        assert reply.stale and reply.request_id == "r1" and reply.step == 3 and reply.base_len == 7
+        assert await pool.pending() == 0
+        assert not await pool.has_entry(taken.entry_id)
 
     run(body())
 

@@ -6,9 +6,9 @@ Lossless greedy identity on 8 MT-Bench questions (4 in flight), invalid input re
 INVALID_ARGUMENT while the services stay up, streaming = unary, seeded sampling reproducible,
 one trace per request across all five services (exported over OTLP to a test collector), a
 cancelled stream releases its request, and failures lose nothing: a killed verifier's step is
-claimed by a new one, dead drafting services leave only the heads drafting, a verifier and
-then a router drain on SIGTERM without losing output. The failure tests
-run last. The stack runs with split cores: the verifier's and the drafting roles' compute
+claimed by a new one, dead drafting services leave only the heads drafting, a killed router's
+streams go on on the other router, a verifier and then a router drain on SIGTERM without losing
+output. Two verifiers and two routers; the failure tests run last. The stack runs with split cores: the verifier's and the drafting roles' compute
 threads pinned to disjoint cores (checked from /proc), every result above on top of it.
 """
 import asyncio
@@ -55,7 +55,7 @@ def stack(base_settings, redis_server, collector, tmp_path_factory, small_datast
            "speculation.slot_s": 0.5, "speculation.tree_size": "adaptive",
            "datastore.path": small_datastore, "gateway.http_port": 0,
            "telemetry.otlp_endpoint": f"127.0.0.1:{collector.port}"})
-    s = Stack(settings, free_port(), tmp_path_factory.mktemp("stack-logs"))
+    s = Stack(settings, free_port(), tmp_path_factory.mktemp("stack-logs"), verifiers=2, routers=2)
     try:
         s.start()
         yield s
@@ -199,14 +199,24 @@ def wait_until(predicate, timeout=60.0, what="condition"):
         time.sleep(0.1)
 
 
-def child(stack, role):
-    return next(c for c in reversed(stack.children) if c.role == role)
+def child(stack, name):
+    """The newest process named `name` (a role, or a replica's name: "router-2")."""
+    return next(c for c in reversed(stack.children) if c.name == name)
 
 
-def verifier_info(stack):
-    with grpc.insecure_channel(f"127.0.0.1:{child(stack, 'verifier').port}") as channel:
+def live(stack, role):
+    return [c for c in stack.children if c.role == role and c.process.poll() is None]
+
+
+def verifier_info(stack, name="verifier"):
+    with grpc.insecure_channel(f"127.0.0.1:{child(stack, name).port}") as channel:
         return verifier_pb2_grpc.VerifierStub(channel).Info(verifier_pb2.VerifierInfoRequest(),
                                                             timeout=5)
+
+
+def verifiers_total(stack, field):
+    """`field` of VerifierInfo summed over the live verifiers."""
+    return sum(getattr(verifier_info(stack, c.name), field) for c in live(stack, "verifier"))
 
 
 def drafter_info(stack):
@@ -233,7 +243,8 @@ def test_split_cores_pin_the_verifier_and_the_drafter_apart(stack):
     plan, every = cores.plan("split"), frozenset(os.sched_getaffinity(0))
     for role, own in (("verifier", plan.verifier), ("drafter", plan.drafting),
                       ("datastore", plan.drafting)):
-        assert thread_cores(child(stack, role).process.pid) == {own, every}, role
+        for c in live(stack, role):
+            assert thread_cores(c.process.pid) == {own, every}, c.name
 
 
 def scrape(url: str) -> dict[tuple[str, tuple], float]:
@@ -257,14 +268,16 @@ def test_metrics_of_every_service_agree_with_the_requests_statistics(stack, clie
     """Each process serves /metrics; the router's vLLM-named speculation counters, per-source
     counters and request histograms, and the verifier's counters, move by exactly what the
     requests' own statistics say."""
-    urls = {c.role: f"http://127.0.0.1:{c.metrics_port}/metrics" for c in stack.children}
-    before = {role: scrape(url) for role, url in urls.items()}
+    urls = {c.name: f"http://127.0.0.1:{c.metrics_port}/metrics" for c in stack.children}
+    roles = {c.name: c.role for c in stack.children}
+    before = {name: scrape(url) for name, url in urls.items()}
     outs = [client.generate(p, max_tokens=16) for p in ("The sky is", "def add(a, b):",
                                                        "Once upon a time")]
-    after = {role: scrape(url) for role, url in urls.items()}
+    after = {name: scrape(url) for name, url in urls.items()}
 
-    def moved(role, name, **labels):
-        return total(after[role], name, **labels) - total(before[role], name, **labels)
+    def moved(role, metric, **labels):  # summed over the role's replicas
+        return sum(total(after[n], metric, **labels) - total(before[n], metric, **labels)
+                   for n in urls if roles[n] == role)
 
     drafted = sum(o.stats.draft_tokens for o in outs)
     accepted = sum(o.stats.accepted_tokens for o in outs)
@@ -284,8 +297,9 @@ def test_metrics_of_every_service_agree_with_the_requests_statistics(stack, clie
     assert moved("verifier", "specmesh_verifier_accepted_tokens_total") == accepted
     assert 0 <= total(after["verifier"], "vllm:kv_cache_usage_perc") <= 1
     # every service times the calls it serves (the drafter's and datastore's latency)
-    for role in urls:
-        assert total(after[role], "specmesh:rpc_server_seconds_count") > 0, role
+    for role in set(roles.values()):
+        assert sum(total(after[n], "specmesh:rpc_server_seconds_count")
+                   for n in urls if roles[n] == role) > 0, role
     assert moved("gateway", "specmesh:rpc_server_seconds_count",
                  method="Generate", code="OK") == len(outs)
 
@@ -324,29 +338,32 @@ def test_cancelled_stream_releases_the_request(stack, client):
     assert next(stream).token_ids
     stream.close()  # the client goes away mid-generation
     wait_until(lambda: not pool_keys(stack, "req"), what="the pool state to be dropped")
-    wait_until(lambda: verifier_info(stack).active_requests == 0
-               and verifier_info(stack).kv_used_tokens == 0,
-               what="the verifier to free the request's KV rows")
+    wait_until(lambda: verifiers_total(stack, "active_requests") == 0
+               and verifiers_total(stack, "kv_used_tokens") == 0,
+               what="the verifiers to free the request's KV rows")
     wait_until(lambda: drafter_info(stack).held_requests == 0,
                what="the drafter to drop the request's draft state")
 
 
 def test_killed_verifier_loses_nothing(stack, questions, hf_greedy_reference):
-    """A verifier dies mid-request; a new one claims the unacknowledged tree, re-prefills from the
-    pool's durable state, and the output is still the target's own."""
+    """A verifier dies mid-request; the other (or a new one) claims the unacknowledged tree,
+    re-prefilling from the pool's durable state where it lacks the request, and the output is
+    still the target's own."""
     messages = [{"role": "user", "content": questions[0]["turns"][0]}]
     with Client(f"127.0.0.1:{stack.gateway_port}", timeout=300) as c, \
             ThreadPoolExecutor(1) as pool:
+        before = verifiers_total(stack, "steps")
         future = pool.submit(c.chat, messages, max_tokens=MAX_TOKENS)
-        wait_until(lambda: pool_keys(stack, "tok") and verifier_info(stack).steps > 3,
+        wait_until(lambda: pool_keys(stack, "tok") and verifiers_total(stack, "steps") > before + 3,
                    what="generation to start")
         old = child(stack, "verifier")
         old.process.send_signal(signal.SIGKILL)
         old.process.wait()
+        steps = verifiers_total(stack, "steps")  # the survivor's
         stack.wait_healthy(stack.spawn("verifier", free_port(), stack.settings))
         out = future.result(timeout=300)
     assert out.token_ids == hf_greedy_reference[0]
-    assert verifier_info(stack).prefills >= 1, "the new verifier rebuilt the cache from the pool"
+    assert verifiers_total(stack, "steps") > steps, "the request went on after the kill"
 
 
 def health_of(stack, role) -> str:
@@ -366,11 +383,12 @@ def test_a_verifier_drains_on_sigterm_and_nothing_is_lost(stack, questions,
     """SIGTERM mid-request: the verifier reports NOT_SERVING, finishes its step and exits well
     within its drain period; a new verifier takes over and the output is the target's own."""
     messages = [{"role": "user", "content": questions[2]["turns"][0]}]
-    before = verifier_info(stack).steps
+    before = verifiers_total(stack, "steps")
     with Client(f"127.0.0.1:{stack.gateway_port}", timeout=300) as c, \
             ThreadPoolExecutor(1) as pool:
         future = pool.submit(c.chat, messages, max_tokens=MAX_TOKENS)
-        wait_until(lambda: verifier_info(stack).steps > before + 3, what="generation to start")
+        wait_until(lambda: verifiers_total(stack, "steps") > before + 3,
+                   what="generation to start")
         old = child(stack, "verifier")
         began = time.monotonic()
         old.process.send_signal(signal.SIGTERM)
@@ -397,28 +415,61 @@ def test_dead_drafting_services_leave_the_verifiers_heads_without_losing_output(
     assert {name for d in out.stats.decisions for name in d.drafters} <= {"heads"}
 
 
-def test_a_router_drains_on_sigterm_finishing_its_streams(stack, questions, hf_greedy_reference):
-    """SIGTERM mid-stream (last: the stack has no router after it): the router reports
-    NOT_SERVING, refuses new requests, finishes the stream in flight, then exits."""
-    messages = [{"role": "user", "content": questions[3]["turns"][0]}]
-    router = child(stack, "router")
-    started = threading.Event()
+def streams_in_flight(stack, prompts, act):
+    """Streams `prompts` at once; once each has a chunk, `act()`; every stream's chunks."""
+    started = [threading.Event() for _ in prompts]
 
-    def stream(c):
+    def stream(c, i):
         chunks = []
-        for chunk in c.stream_chat(messages, max_tokens=MAX_TOKENS):
+        for chunk in c.stream_chat([{"role": "user", "content": prompts[i]}],
+                                   max_tokens=MAX_TOKENS):
             chunks.append(chunk)
-            started.set()
+            started[i].set()
         return chunks
     with Client(f"127.0.0.1:{stack.gateway_port}", timeout=300) as c, \
-            ThreadPoolExecutor(1) as pool:
-        future = pool.submit(stream, c)
-        assert started.wait(timeout=120), "the stream did not start"
+            ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(stream, c, i) for i in range(len(prompts))]
+        assert all(e.wait(timeout=180) for e in started), "the streams did not start"
+        act()
+        return [f.result(timeout=300) for f in futures]
+
+
+def test_a_killed_routers_streams_go_on_on_the_other_router(stack, client, questions,
+                                                           hf_greedy_reference):
+    """SIGKILL a router with streams in flight (the gateway spreads 4 over the 2 routers): the
+    gateway resumes each of its streams on the other router from the request's state in the
+    pool; every stream's tokens are the target's own and its text the undisturbed run's, no
+    token repeated or skipped. The router comes back on its port, as `specmesh up` restarts it."""
+    ids = range(4, 8)
+    prompts = [questions[i]["turns"][0] for i in ids]
+    dead = child(stack, "router")
+    streams = streams_in_flight(stack, prompts, lambda: dead.process.send_signal(signal.SIGKILL))
+    dead.process.wait()
+    for i, chunks in zip(ids, streams):
+        assert [t for ch in chunks for t in ch.token_ids] == hf_greedy_reference[i], i
+        assert chunks[-1].finish_reason
+    undisturbed = [client.chat([{"role": "user", "content": p}], max_tokens=MAX_TOKENS)
+                   for p in prompts]
+    assert ["".join(ch.text for ch in chunks) for chunks in streams] == \
+        [o.text for o in undisturbed]
+    assert "going on after" in child(stack, "gateway").log.read_text()
+    stack.restart(dead)
+
+
+def test_a_router_drains_on_sigterm_finishing_its_streams(stack, questions, hf_greedy_reference):
+    """SIGTERM mid-stream (last: the stack has one router less after it): the router reports
+    NOT_SERVING, takes no new request, finishes (or hands back) its streams, then exits; every
+    stream's output is the target's own."""
+    ids = range(8, 10)
+    router = child(stack, "router")
+
+    def terminate():
         router.process.send_signal(signal.SIGTERM)
         wait_until(lambda: health_of(stack, "router") != "SERVING", timeout=10,
                    what="NOT_SERVING")
-        chunks = future.result(timeout=300)
-    assert [t for ch in chunks for t in ch.token_ids] == hf_greedy_reference[3]
+    streams = streams_in_flight(stack, [questions[i]["turns"][0] for i in ids], terminate)
+    for i, chunks in zip(ids, streams):
+        assert [t for ch in chunks for t in ch.token_ids] == hf_greedy_reference[i], i
     router.process.wait(timeout=stack.settings.drain_s + 5)
     assert router.process.returncode == 0
     assert "router drained in" in router.log.read_text()

@@ -123,6 +123,9 @@ class GatewaySettings(Section):
                                        "api_keys_file: no key needed")
     api_keys_file: Path | None = Field(None, description="a file of accepted keys, one per line "
                                        "(# comments), read at start")
+    resume_s: float = Field(30.0, gt=0, description="how long a stream whose router died is "
+                            "retried on the routers (going on from the request's state in the "
+                            "pool, after the last token sent) before its client gets the error")
 
 
 class TlsSettings(Section):
@@ -278,7 +281,9 @@ class Settings(BaseSettings):
     metrics_port: int | None = Field(None, ge=0, le=65535, description="serve this process's "
                                      "Prometheus metrics at http://host:PORT/metrics (0 = any "
                                      "free port; docs/metrics.md lists them)")
-    router_address: str = Field("127.0.0.1:50052", description="gateway -> router")
+    router_address: str = Field("127.0.0.1:50052", description="gateway -> router; comma-"
+                                "separated replicas: new requests go round-robin, a stream "
+                                "whose router dies resumes on another")
     drafter_address: str = Field("127.0.0.1:50053", description="router -> drafter")
     datastore_address: str = Field("127.0.0.1:50055", description="router -> datastore")
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)

@@ -116,9 +116,20 @@ async def start_server(register: Sequence[tuple[Callable[[Any, grpc.aio.Server],
 _health: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+_draining = False
+
+
+def draining() -> bool:
+    """Whether this process's server reported NOT_SERVING: calls cancelled from now on are
+    cut by the shutdown, not by their clients."""
+    return _draining
+
+
 async def not_serving(server: grpc.aio.Server) -> None:
     """Reports every service of `server` NOT_SERVING (a draining process: load balancers and
     Kubernetes' readiness probes send it no new work)."""
+    global _draining
+    _draining = True
     health_servicer, names = _health.get(server, (None, []))
     for name in names:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -26,15 +26,17 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from specmesh_services.common import telemetry
+from specmesh_services.common import rpc, telemetry
 from specmesh_services.common.config import RouterSettings, SpeculationSettings
 from specmesh_services.common.metrics import RouterMetrics
 from specmesh_services.common.pool import POOL_DOWN, Pool
+from specmesh_services.common.rpc import FailedPrecondition
 from specmesh_services.common.sampling import SamplingParams
 from specmesh_services.router.arms import ArmSet
 from specmesh_services.router.batching import MicroBatcher
 from specmesh_services.router.pipeline import micro_batches
-from specmesh_services.router.loop import InFlight, LoopServices, RequestLoop, TargetInfo
+from specmesh_services.router.loop import (InFlight, LoopServices, RequestLoop, Resumed,
+                                           TargetInfo)
 from specmesh_services.router.policy import TreeSizing
 from specmesh_services.router.selection import Arm, Selection, make_selection
 from specmesh_services.router.steps import PassTimes
@@ -175,24 +177,37 @@ class Router:
 
     # one request ------------------------------------------------------------------------------
     async def generate(self, request: router_pb2.RouteRequest) -> AsyncIterator[router_pb2.RouteChunk]:
+        """Generates for `request`; with `request.resume`, goes on with a request another
+        router was generating, from its state in the pool."""
         request_id = request.request_id or uuid.uuid4().hex
-        prompt = list(request.prompt_ids)
-        params = SamplingParams.from_pb(request.sampling)
-        self._validate(request, prompt, params)
-        seed = params.seed if params.seed is not None else secrets.randbits(63)
-        state = pool_pb2.RequestState(request_id=request_id, prompt_ids=prompt,
-                                      sampling=params.to_pb(), seed=seed, model=self.target.name)
+        resumed = None
+        if request.HasField("resume"):
+            state, resumed = await self._resumed(request)
+        else:
+            prompt = list(request.prompt_ids)
+            params = SamplingParams.from_pb(request.sampling)
+            self._validate(request, prompt, params)
+            seed = params.seed if params.seed is not None else secrets.randbits(63)
+            state = pool_pb2.RequestState(request_id=request_id, prompt_ids=prompt,
+                                          sampling=params.to_pb(), seed=seed,
+                                          model=self.target.name)
+        prompt = list(state.prompt_ids)
         with tracer.start_as_current_span("router.generate") as span:
             span.set_attributes({"specmesh.request_id": request_id,
-                                 "specmesh.prompt_tokens": len(prompt)})
-            await self.pool.put_request(state, self.settings.request_ttl_s)
+                                 "specmesh.prompt_tokens": len(prompt),
+                                 "specmesh.resumed_at": resumed.sent_tokens if resumed else -1})
             if request_id in self.batch:
                 raise ValueError(f"request {request_id} is already being generated")
+            if resumed is None:
+                await self.pool.put_request(state, self.settings.request_ttl_s)
             loop = RequestLoop(self.services, request, request_id, prompt,
-                               self._coupling(params, seed))
+                               self._coupling(SamplingParams.from_pb(state.sampling), state.seed),
+                               resumed)
             self.batch.add(loop)
+            finished = False
             try:
                 async for chunk in loop.run():
+                    finished = bool(chunk.finish_reason)
                     yield chunk
             finally:
                 self.batch.remove(request_id)
@@ -202,7 +217,31 @@ class Router:
                 span.set_attributes({"specmesh.steps": loop.stats.steps,
                                      "specmesh.mean_accepted_length":
                                          loop.stats.mean_accepted_length})
-                await self._release(request_id)
+                # cut by this router's shutdown: the state stays for a router that resumes it
+                handed_back = not finished and rpc.draining()
+                if handed_back:
+                    log.info("handing %s back at %d tokens: the router is stopping", request_id,
+                             len(loop.generated))
+                await self._release(request_id, keep_state=handed_back)
+
+    async def _resumed(self, request: router_pb2.RouteRequest
+                       ) -> tuple[pool_pb2.RequestState, Resumed]:
+        """The pool's state of a request to resume and where its client's stream stands."""
+        if not request.request_id:
+            raise ValueError("resume needs the request_id of the request to go on with")
+        found = await self.pool.get_request(request.request_id)
+        if found is None:
+            raise LookupError(f"request {request.request_id} is not in the pool (it finished, "
+                              f"expired or never started): send it again without resume")
+        state, generated = found
+        if list(state.prompt_ids) != list(request.prompt_ids):
+            raise FailedPrecondition(f"request {request.request_id} in the pool has another "
+                                     f"prompt: resume repeats the original request")
+        sent = request.resume.tokens
+        if sent > len(generated):
+            raise FailedPrecondition(f"the client received {sent} tokens of request "
+                                     f"{request.request_id}, the pool holds {len(generated)}")
+        return state, Resumed(generated, sent, request.resume.text_chars)
 
     def _coupling(self, params: SamplingParams, seed: int) -> common_pb2.SamplingParams | None:
         """How the drafters draw a sampled request's tokens (with its resolved seed: coupled
@@ -295,9 +334,12 @@ class Router:
             raise ValueError("max_tokens must be >= 1")
         params.validate()
 
-    async def _release(self, request_id: str) -> None:
+    async def _release(self, request_id: str, keep_state: bool = False) -> None:
+        """Frees what the request holds: its state in the pool (and with it the verifiers'
+        KV; kept with `keep_state`), the drafter's and the datastore's."""
         try:
-            await self.pool.delete_request(request_id)
+            if not keep_state:
+                await self.pool.delete_request(request_id)
             if self.speculation.source != "datastore" and self.drafter is not None:
                 await self.drafter.Release(
                     drafter_pb2.DraftReleaseRequest(request_ids=[request_id]))
@@ -311,21 +353,53 @@ class Router:
                      tree: common_pb2.TokenTree, attributes: dict | None = None,
                      heads_nodes: int = 0) -> pool_pb2.VerifyResult:
         """Submits one tree to the pool and waits for its result (with the heads' tree for
-        the next step when `heads_nodes`)."""
-        future = asyncio.get_running_loop().create_future()
-        self._waiting[(request_id, step)] = future
-        try:
-            with tracer.start_as_current_span("router.submit") as span:
-                span.set_attributes({"specmesh.step": step, "specmesh.tree_size": len(tree.tokens),
-                                     **(attributes or {})})
-                entry = pool_pb2.DraftEntry(request_id=request_id, step=step, base_len=base_len,
-                                            tree=tree, reply_to=self.router_id,
-                                            trace_context=telemetry.inject(),
-                                            heads_nodes=heads_nodes)
-                entry_id = await self._submit(entry)
-            result = await self._result(future, entry, entry_id)
-        finally:
-            self._waiting.pop((request_id, step), None)
-        if result.error:
-            raise RuntimeError(f"verifier rejected step {step}: {result.error}")
-        return result
+        the next step when `heads_nodes`). A stale entry (another router resuming the request
+        applied the step first) comes back as `caught_up`'s result: the tokens the pool gained."""
+        deadline = time.monotonic() + self.settings.step_timeout_s
+        while True:
+            future = asyncio.get_running_loop().create_future()
+            self._waiting[(request_id, step)] = future
+            try:
+                with tracer.start_as_current_span("router.submit") as span:
+                    span.set_attributes({"specmesh.step": step,
+                                         "specmesh.tree_size": len(tree.tokens),
+                                         **(attributes or {})})
+                    entry = pool_pb2.DraftEntry(request_id=request_id, step=step,
+                                                base_len=base_len, tree=tree,
+                                                reply_to=self.router_id,
+                                                trace_context=telemetry.inject(),
+                                                heads_nodes=heads_nodes)
+                    entry_id = await self._submit(entry)
+                result = await self._result(future, entry, entry_id)
+            finally:
+                self._waiting.pop((request_id, step), None)
+            if result.error:
+                raise RuntimeError(f"verifier rejected step {step}: {result.error}")
+            if not result.stale:
+                return result
+            caught_up = await self.caught_up(request_id, step, base_len)
+            if caught_up is not None:
+                return caught_up
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"step {step} of {request_id} stayed stale for "
+                                   f"{self.settings.step_timeout_s:.0f} s")
+            await asyncio.sleep(0.05)  # the pool is back at base_len: the step goes again
+
+    async def caught_up(self, request_id: str, step: int, base_len: int
+                        ) -> pool_pb2.VerifyResult | None:
+        """The tokens the pool holds for the request beyond `base_len`, as a stale result
+        (accepted + bonus; nothing was verified for this router); None if it holds none more."""
+        found = await self.pool.get_request(request_id)
+        if found is None:
+            raise LookupError(f"request {request_id} is gone from the pool")
+        tokens = found[1]
+        if len(tokens) < base_len:
+            raise RuntimeError(f"the pool holds {len(tokens)} tokens of {request_id}, fewer than "
+                               f"the {base_len} streamed: it lost writes (Redis without "
+                               f"persistence?)")
+        if len(tokens) == base_len:
+            return None
+        log.info("step %d of %s was applied elsewhere: catching up %d tokens", step, request_id,
+                 len(tokens) - base_len)
+        return pool_pb2.VerifyResult(request_id=request_id, step=step, base_len=base_len,
+                                     accepted=tokens[base_len:-1], bonus=tokens[-1], stale=True)

@@ -105,6 +105,16 @@ class InFlight:
 
 
 @dataclass(frozen=True)
+class Resumed:
+    """A request another router was generating: the tokens the pool holds for it and how
+    much of its stream the client already received."""
+
+    generated: list[int]
+    sent_tokens: int
+    sent_chars: int
+
+
+@dataclass(frozen=True)
 class LoopServices:
     """What a request's loop uses of its router, and nothing else of it."""
 
@@ -146,15 +156,21 @@ class RequestLoop:
 
     def __init__(self, services: LoopServices, request: router_pb2.RouteRequest,
                  request_id: str, prompt: list[int],
-                 sampling: common_pb2.SamplingParams | None = None) -> None:
+                 sampling: common_pb2.SamplingParams | None = None,
+                 resumed: Resumed | None = None) -> None:
         """`sampling`: a sampled request's parameters with its seed, which its draft models
-        draw with (coupled drafting); None: they draft their likeliest tokens."""
+        draw with (coupled drafting); None: they draft their likeliest tokens. `resumed`: the
+        request goes on from the pool's tokens, the first chunk holding those its client has
+        not received."""
         self.services = services
         self.request_id = request_id
         self.prompt = prompt
         self.generated: list[int] = []
         self.stats = RequestStats(prompt_tokens=len(prompt))
         self.text = TextStream(services.tokenizer, list(request.stop))
+        self.backlog: list[int] = []  # generated tokens to stream before the first step
+        if resumed is not None:
+            self._catch_up(resumed)
         self.stops = set(services.target.eos_token_ids) | set(request.stop_token_ids)
         self.max_new = min(request.max_tokens, services.target.context_length - len(prompt))
         self.speculating = services.speculation.depth > 0
@@ -165,6 +181,12 @@ class RequestLoop:
                                    sampling)
 
     async def run(self) -> AsyncIterator[router_pb2.RouteChunk]:
+        if self.backlog:
+            chunk = self.emit(self.backlog)
+            yield chunk
+            if chunk.finish_reason:
+                return
+            self.drafting.advance(pool_pb2.VerifyResult(), self.backlog)
         if self.speculating:  # prefill the drafter the first step will use, during step 0
             self._warm_ahead(self._arm())
         step = 0
@@ -172,13 +194,28 @@ class RequestLoop:
             plan = self.plan(step)
             drafted = await self.draft(plan)
             result = await self.submit(plan, drafted)
-            emitted = self.observe(plan, drafted, result)
+            # stale: another router applied the step; its tokens were verified, this tree not
+            emitted = ([*result.accepted, result.bonus] if result.stale
+                       else self.observe(plan, drafted, result))
             chunk = self.emit(emitted)
             yield chunk
             if chunk.finish_reason:
                 return
             self.advance(result, emitted)
             step += 1
+
+    def _catch_up(self, resumed: Resumed) -> None:
+        """Takes the stream where its client left it: the tokens it received are generated
+        and their text handed out; the rest of the pool's tokens wait in `backlog`."""
+        received = resumed.generated[:resumed.sent_tokens]
+        self.generated = list(received)
+        if self.text.stop:
+            for token in received:
+                self.text.push(token)
+        else:
+            self.text.extend(received)
+        self.text.emitted = min(resumed.sent_chars, len(self.text.text))
+        self.backlog = resumed.generated[resumed.sent_tokens:]
 
     def sizing(self, arm: str) -> RequestSizing:
         """The request's part of an arm's tree-size policy, made at its first use."""

@@ -287,15 +287,19 @@ class VerifierWorker:
 
     async def _ensure_loaded(self, taken: Taken) -> bool:
         """Registers the request at the entry's base from the pool if the engine is not there;
-        False drops (acknowledges) a stale entry."""
+        False drops a stale entry (its router is told) or one of a request that ended."""
         entry = taken.entry
         if self.engine.ready_for(entry.request_id, entry.base_len):
             return True
         found = await self.pool.get_request(entry.request_id)
-        if found is None or len(found[1]) != entry.base_len:
-            log.info("dropping stale draft %s step %d of %s", taken.entry_id, entry.step,
-                     entry.request_id)
+        if found is None:  # the request ended or expired: nobody waits for this step
             await self.pool.ack(taken)
+            return False
+        if len(found[1]) != entry.base_len:  # its router re-reads the request's tokens
+            log.info("stale draft %s: step %d of %s at %d tokens, the pool holds %d",
+                     taken.entry_id, entry.step, entry.request_id, entry.base_len,
+                     len(found[1]))
+            await self.pool.reply_stale(taken)
             return False
         state, generated = found
         await self._run(self.engine.load, state, generated)

@@ -5,7 +5,9 @@ took it and died without acknowledging, another `claim_stale`s it after an idle 
 verifier `complete`s it: atomically, if the request's generated-token count still equals the
 entry's `base_len`, the new tokens are appended to the request state, the VerifyResult is
 published to the router named in `reply_to`, and the entry is acknowledged. A duplicate (already
-applied) entry is only acknowledged. Routers read their results with `results`. When a request
+acknowledged) entry is dropped. A stale one (the request's count moved on: another router
+resuming the request, or a copy of the step, applied it first) is acknowledged and its router
+gets a VerifyResult with `stale` set, so it re-reads the request's tokens instead of waiting. Routers read their results with `results`. When a request
 ends, `delete_request` drops its state and announces the id on the release feed, which every
 verifier follows (`releases`) to free its KV cache. A draft delivered too many times without
 being completed (each verifier that took it died or failed on it) is `dead_letter`ed.
@@ -25,6 +27,12 @@ class Taken:
     entry_id: str  # pool-assigned id (Redis stream id)
     entry: pool_pb2.DraftEntry
     deliveries: int  # 1 on first delivery, more when claimed again after a crash
+
+
+def stale_result(entry: pool_pb2.DraftEntry) -> pool_pb2.VerifyResult:
+    """What the router of a stale draft gets: nothing verified, re-read the request."""
+    return pool_pb2.VerifyResult(request_id=entry.request_id, step=entry.step,
+                                 base_len=entry.base_len, stale=True)
 
 
 class Pool(abc.ABC):
@@ -60,8 +68,14 @@ class Pool(abc.ABC):
     @abc.abstractmethod
     async def complete(self, taken: Taken, result: pool_pb2.VerifyResult,
                        new_tokens: list[int]) -> bool:
-        """Atomically applies a verification (see module doc). False if the entry was stale
-        (the request moved on or is gone): then nothing is appended or published."""
+        """Atomically applies a verification (see module doc). False if the entry was a
+        duplicate or stale, or the request is gone: then nothing is appended, and for a stale
+        entry of a live request its router gets `stale_result(entry)`."""
+
+    @abc.abstractmethod
+    async def reply_stale(self, taken: Taken) -> None:
+        """Acknowledges a draft found stale before verification (its base_len is not the
+        request's generated count) and sends its router `stale_result(entry)`."""
 
     @abc.abstractmethod
     async def ack(self, taken: Taken) -> None:

@@ -8,7 +8,7 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from specmesh_services.common.pool.base import Pool, Taken
+from specmesh_services.common.pool.base import Pool, Taken, stale_result
 from specmesh.v1 import pool_pb2
 
 DEAD_MAXLEN = 10_000  # dead-lettered drafts kept
@@ -155,15 +155,25 @@ class MemoryPool(Pool):
         # No await before the state change: atomic with respect to other tasks.
         pending = self._pending.pop(taken.entry_id, None)
         req = self._live(taken.entry.request_id)
-        if pending is None or req is None or len(req.tokens) != taken.entry.base_len:
+        if pending is None or req is None:
+            return False
+        if len(req.tokens) != taken.entry.base_len:
+            self._reply(taken.entry.reply_to, stale_result(taken.entry))
             return False
         req.tokens.extend(new_tokens)
         req.expires = time.monotonic() + req.ttl_s
         copy = pool_pb2.VerifyResult()
         copy.CopyFrom(result)
-        self._results.setdefault(taken.entry.reply_to, deque()).append(copy)
-        self._notify(RESULTS)
+        self._reply(taken.entry.reply_to, copy)
         return True
+
+    async def reply_stale(self, taken: Taken) -> None:
+        self._pending.pop(taken.entry_id, None)
+        self._reply(taken.entry.reply_to, stale_result(taken.entry))
+
+    def _reply(self, router_id: str, result: pool_pb2.VerifyResult) -> None:
+        self._results.setdefault(router_id, deque()).append(result)
+        self._notify(RESULTS)
 
     async def ack(self, taken: Taken) -> None:
         self._pending.pop(taken.entry_id, None)
@@ -172,8 +182,7 @@ class MemoryPool(Pool):
         self._pending.pop(taken.entry_id, None)
         self._queued.pop(taken.entry_id, None)
         self._dead.append((taken.entry, reason))
-        self._results.setdefault(taken.entry.reply_to, deque()).append(_failed(taken, reason))
-        self._notify(RESULTS)
+        self._reply(taken.entry.reply_to, _failed(taken, reason))
 
     async def dead_letters(self, count: int = 100) -> list[tuple[pool_pb2.DraftEntry, str]]:
         return list(self._dead)[-count:]

@@ -17,7 +17,7 @@ Key layout, all under `prefix` (default "specmesh"), written as `{p}`:
 
 Every stream entry has a field `data` (protobuf bytes; the request id for releases).
 `complete` is one Lua script, so the check-append-publish-acknowledge step is atomic; a
-stale or duplicate entry is only acknowledged. Groups are created on first use (MKSTREAM, id 0)
+duplicate entry is dropped, a stale one acknowledged with a stale reply to its router. Groups are created on first use (MKSTREAM, id 0)
 and again if Redis lost them (NOGROUP), so a restarted Redis only loses in-flight work.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import TypeVar
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from specmesh_services.common.pool.base import Pool, Taken
+from specmesh_services.common.pool.base import Pool, Taken, stale_result
 from specmesh.v1 import pool_pb2
 
 VERIFIERS = "verifiers"  # consumer group of the drafts stream
@@ -41,12 +41,17 @@ RELEASES_BATCH = 1_000  # ids returned by one `releases` call at most
 
 T = TypeVar("T")
 
-# KEYS: req, tok, results, drafts. ARGV: base_len, packed tokens, result, entry id, group, maxlen.
+# KEYS: req, tok, results, drafts. ARGV: base_len, packed tokens, result, entry id, group, maxlen,
+# stale result (published instead when the count is not base_len).
 _COMPLETE_LUA = """
 if redis.call('XACK', KEYS[4], ARGV[5], ARGV[4]) == 0 then return 0 end
 redis.call('XDEL', KEYS[4], ARGV[4])
 local ttl = redis.call('HGET', KEYS[1], 'ttl_ms')
-if not ttl or redis.call('STRLEN', KEYS[2]) ~= tonumber(ARGV[1]) * 4 then return 0 end
+if not ttl then return 0 end
+if redis.call('STRLEN', KEYS[2]) ~= tonumber(ARGV[1]) * 4 then
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', 'data', ARGV[7])
+  return 0
+end
 redis.call('APPEND', KEYS[2], ARGV[2])
 redis.call('PEXPIRE', KEYS[1], ttl)
 redis.call('PEXPIRE', KEYS[2], ttl)
@@ -195,8 +200,18 @@ class RedisPool(Pool):
         keys = [self._req(entry.request_id), self._tok(entry.request_id),
                 self._results(entry.reply_to), self._drafts]
         args = [entry.base_len, _pack(new_tokens), result.SerializeToString(), taken.entry_id,
-                VERIFIERS, RESULTS_MAXLEN]
+                VERIFIERS, RESULTS_MAXLEN, stale_result(entry).SerializeToString()]
         return bool(await self._complete(keys=keys, args=args))
+
+    async def reply_stale(self, taken: Taken) -> None:
+        entry = taken.entry
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.xack(self._drafts, VERIFIERS, taken.entry_id)
+            pipe.xdel(self._drafts, taken.entry_id)
+            pipe.xadd(self._results(entry.reply_to),
+                      {"data": stale_result(entry).SerializeToString()},
+                      maxlen=RESULTS_MAXLEN, approximate=True)
+            await pipe.execute()
 
     async def ack(self, taken: Taken) -> None:
         async with self._redis.pipeline(transaction=True) as pipe:
