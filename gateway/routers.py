@@ -31,18 +31,23 @@ class Routers:
         self._turn = itertools.count()
         self.resumed = 0  # streams gone on on another router
 
-    def Generate(self, route: router_pb2.RouteRequest) -> AsyncIterator[router_pb2.RouteChunk]:  # noqa: N802 - the stub's name
-        return self._generate(route)
+    def Generate(self, route: router_pb2.RouteRequest, timeout: float | None = None  # noqa: N802 - the stub's name
+                 ) -> AsyncIterator[router_pb2.RouteChunk]:
+        """`timeout`: the client's deadline, passed on (a router queues a request at most
+        that long for a slot)."""
+        return self._generate(route, None if timeout is None else time.monotonic() + timeout)
 
-    async def _generate(self, route: router_pb2.RouteRequest
+    async def _generate(self, route: router_pb2.RouteRequest, client_deadline: float | None
                         ) -> AsyncIterator[router_pb2.RouteChunk]:
-        at, tries = next(self._turn), 0
+        at, tries, full = next(self._turn), 0, 0
         sent = router_pb2.Resume()
         request, deadline, delay = route, None, 0.05
         while True:
             stub = self.stubs[at % len(self.stubs)]
+            left = None if client_deadline is None else max(client_deadline - time.monotonic(),
+                                                            0.0)
             try:
-                async for chunk in stub.Generate(request):
+                async for chunk in stub.Generate(request, timeout=left):
                     sent.tokens += len(chunk.token_ids)
                     sent.text_chars += len(chunk.text)
                     deadline, delay = None, 0.05  # progress: a later failure gets its own time
@@ -53,6 +58,10 @@ class Routers:
                 if code == grpc.StatusCode.NOT_FOUND and request.HasField("resume") \
                         and not sent.tokens:
                     request = route  # the dead router never put it in the pool: start it here
+                    continue
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not request.HasField("resume") \
+                        and full + 1 < len(self.stubs):
+                    at, full = at + 1, full + 1  # at capacity: the next router may have room
                     continue
                 if code not in FAILOVER:
                     raise

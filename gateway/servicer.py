@@ -29,7 +29,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         request_id, route = self.route(request)
         response = gateway_pb2.GenerateResponse(model=self.model.name, request_id=request_id)
         texts = []
-        async for chunk in self.router.Generate(route):
+        async for chunk in self.router.Generate(route, timeout=context.time_remaining()):
             texts.append(chunk.text)
             response.token_ids.extend(chunk.token_ids)
             response.finish_reason = chunk.finish_reason
@@ -40,7 +40,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     @rpc_errors
     async def GenerateStream(self, request, context):
         request_id, route = self.route(request)
-        async for chunk in self.router.Generate(route):
+        async for chunk in self.router.Generate(route, timeout=context.time_remaining()):
             yield gateway_pb2.GenerateChunk(text=chunk.text, token_ids=chunk.token_ids,
                                             finish_reason=chunk.finish_reason, stats=chunk.stats,
                                             request_id=request_id)

@@ -85,3 +85,13 @@ def test_failover_gives_up_after_resume_s():
     with pytest.raises(grpc.RpcError) as err:
         collect(routers)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_router_at_capacity_passes_a_new_request_to_the_next_and_all_full_refuse_it():
+    full = grpc.StatusCode.RESOURCE_EXHAUSTED
+    busy, free = ScriptedRouter(fail_after=0, code=full), ScriptedRouter()
+    assert [t for c in collect(Routers([busy, free])) for t in c.token_ids] == [1, 2, 3, 4, 5, 6, 7]
+    with pytest.raises(grpc.RpcError) as err:
+        collect(Routers([ScriptedRouter(fail_after=0, code=full),
+                         ScriptedRouter(fail_after=0, code=full)]))
+    assert err.value.code() == full

@@ -199,6 +199,14 @@ class RouterSettings(Section):
                               "again; duplicates are harmless (a stale tree is only "
                               "acknowledged)")
     request_ttl_s: float = Field(3600.0, gt=0, description="pool state expiry of abandoned requests")
+    max_requests: int = Field(64, ge=1, description="admission: requests one router generates "
+                              "at once; more wait for a slot")
+    max_waiting: int = Field(256, ge=0, description="admission: requests waiting for a slot at "
+                             "most; beyond, a new request is refused at once with "
+                             "RESOURCE_EXHAUSTED (HTTP 429)")
+    admission_wait_s: float = Field(60.0, gt=0, description="admission: how long a request "
+                                    "waits for a slot (less when its client's deadline is "
+                                    "nearer) before it is refused with RESOURCE_EXHAUSTED")
     max_pending_trees: int | None = Field(
         None, ge=0, description="back-pressure: pause drafting while this many trees wait in the "
         "pool (default: as many as the verifiers that answered lately batch together, their "

@@ -96,8 +96,9 @@ class RouterMetrics:
                              "to its end", m, buckets=LATENCY_BUCKETS, registry=r).labels(model)
         self.running = Gauge("vllm:num_requests_running", "requests being generated", m,
                              registry=r).labels(model)
-        self.waiting = Gauge("vllm:num_requests_waiting", "requests whose drafting waits for "
-                             "room in the pool (back-pressure)", m, registry=r).labels(model)
+        self.waiting = Gauge("vllm:num_requests_waiting", "requests waiting for a slot "
+                             "(admission) or, drafting, for room in the pool (back-pressure)",
+                             m, registry=r).labels(model)
 
     def observe_step(self, tree: TokenTree, accepted: Sequence[int]) -> None:
         """One verified step of a request: its tree and the draft tokens the target kept."""

@@ -171,6 +171,9 @@ class _LocalContext:
     def cancelled(self) -> bool:
         return False
 
+    def time_remaining(self) -> float | None:
+        return None  # in-process calls carry no deadline
+
 
 class LocalStub:
     """Calls a servicer's methods in-process with the stub's calling convention:

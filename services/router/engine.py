@@ -32,6 +32,7 @@ from specmesh_services.common.metrics import RouterMetrics
 from specmesh_services.common.pool import POOL_DOWN, Pool
 from specmesh_services.common.rpc import FailedPrecondition
 from specmesh_services.common.sampling import SamplingParams
+from specmesh_services.router.admission import Admission
 from specmesh_services.router.arms import ArmSet
 from specmesh_services.router.batching import MicroBatcher
 from specmesh_services.router.pipeline import micro_batches
@@ -104,8 +105,10 @@ class Router:
                 [Arm(a.name, a.capacity, a.prefill_token_seconds) for a in self.arms.selectable],
                 speculation.slot_s, epsilon=speculation.epsilon)
         self.waiting = 0  # requests whose drafting waits for room in the pool
+        self.admission = Admission(settings.max_requests, settings.max_waiting,
+                                   settings.admission_wait_s)
         self.metrics = metrics or RouterMetrics(model=target.name)
-        self.metrics.track(lambda: len(self.batch), lambda: self.waiting)
+        self.metrics.track(lambda: len(self.batch), lambda: self.waiting + self.admission.waiting)
         self.services = self._loop_services()
 
     def _loop_services(self) -> LoopServices:
@@ -176,9 +179,17 @@ class Router:
                 await asyncio.sleep(0.5)
 
     # one request ------------------------------------------------------------------------------
-    async def generate(self, request: router_pb2.RouteRequest) -> AsyncIterator[router_pb2.RouteChunk]:
-        """Generates for `request`; with `request.resume`, goes on with a request another
-        router was generating, from its state in the pool."""
+    async def generate(self, request: router_pb2.RouteRequest, deadline_s: float | None = None
+                       ) -> AsyncIterator[router_pb2.RouteChunk]:
+        """Generates for `request` once admitted (`admission.py`; `deadline_s`: how long its
+        client waits); with `request.resume`, goes on with a request another router was
+        generating, from its state in the pool."""
+        async with self.admission.slot(deadline_s, resumed=request.HasField("resume")):
+            async for chunk in self._generate(request):
+                yield chunk
+
+    async def _generate(self, request: router_pb2.RouteRequest
+                        ) -> AsyncIterator[router_pb2.RouteChunk]:
         request_id = request.request_id or uuid.uuid4().hex
         resumed = None
         if request.HasField("resume"):

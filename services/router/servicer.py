@@ -14,5 +14,5 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     @rpc_errors
     async def Generate(self, request, context):
-        async for chunk in self.router.generate(request):
+        async for chunk in self.router.generate(request, context.time_remaining()):
             yield chunk
