@@ -33,12 +33,12 @@ class Chaos(threading.Thread):
         self.rng = random.Random(seed)
         self.kills: list[tuple[float, str, float]] = []  # (at s, name, seconds until it served)
         self.began = time.monotonic()
-        self._stop = threading.Event()
+        self._halt = threading.Event()
         self.failure: BaseException | None = None
 
     def run(self) -> None:
         try:
-            while not self._stop.wait(self.every_s):
+            while not self._halt.wait(self.every_s):
                 live = [c for c in self.stack.children
                         if c.role in self.roles and c.process.poll() is None]
                 victim = self.rng.choice(live)
@@ -52,7 +52,7 @@ class Chaos(threading.Thread):
             self.failure = err
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join()
         if self.failure is not None:
             raise RuntimeError("the chaos thread failed") from self.failure

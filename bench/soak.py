@@ -36,7 +36,7 @@ class RssSampler(threading.Thread):
         self.processes = {name: psutil.Process(pid) for name, pid in processes.items()}
         self.every_s = every_s
         self.samples: list[tuple[float, dict[str, float]]] = []
-        self._stop = threading.Event()
+        self._halt = threading.Event()
         self.began = time.monotonic()
 
     def sample(self) -> None:
@@ -50,11 +50,11 @@ class RssSampler(threading.Thread):
         self.samples.append((round(now, 1), rss))
 
     def run(self) -> None:
-        while not self._stop.wait(self.every_s):
+        while not self._halt.wait(self.every_s):
             self.sample()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join()
         self.sample()
 

@@ -175,7 +175,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from specmesh_services import stack
 
     return stack.up(settings_from(args), port=args.port, detach=args.detach, secure=args.secure,
-                    verifiers=args.verifiers, routers=args.routers)
+                    verifiers=args.verifiers, routers=args.routers, drafting=args.drafting)
 
 
 def cmd_down(args: argparse.Namespace) -> int:
@@ -416,6 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="router replicas (the gateway spreads new requests over them; a stream "
                         "whose router dies goes on on another from the request's state in the "
                         "pool) [1]")
+    p.add_argument("--drafting", type=_positive, default=1, metavar="N",
+                   help="replicas of the drafter and of the datastore (each request drafts on "
+                        "one, moving to another when it dies) [1]")
     p.add_argument("--secure", action="store_true",
                    help="TLS (mutual) between all services and on the gateway, an API key on the "
                         "gateway, Redis with a password over TLS: a local CA and the key are made "

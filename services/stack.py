@@ -77,6 +77,10 @@ class Child:
             return ""
 
 
+def _addresses(ports: list[int]) -> str:
+    return ",".join(f"127.0.0.1:{port}" for port in ports)
+
+
 def _replica(role: str, i: int) -> str:
     """The name of a role's i-th replica: verifier, verifier-2, ..."""
     return role if i == 0 else f"{role}-{i + 1}"
@@ -90,6 +94,7 @@ class Stack:
     secure: bool = False  # TLS (mutual) everywhere, an API key, Redis with a password over TLS
     verifiers: int = 1  # replicas, consumers of the same pool
     routers: int = 1  # replicas; the gateway spreads requests over them and resumes on another
+    drafting: int = 1  # replicas of the drafter and of the datastore; a request sticks to one
     children: list[Child] = field(default_factory=list)
     redis: object | None = None  # RedisServer when we started one
     http_port: int | None = None  # the gateway's OpenAI-compatible HTTP API (None: off)
@@ -111,29 +116,25 @@ class Stack:
                                      password=secrets.token_urlsafe(24) if pki else None)
             self.redis.start()
             settings = settings.with_overrides(redis_url=self.redis.url)
-        ports = {"verifier": free_port(), "drafter": free_port(), "datastore": free_port(),
-                 "gateway": self.gateway_port}
-        router_ports = [free_port() for _ in range(self.routers)]
+        replicas = {"verifier": self.verifiers, "router": self.routers,
+                    "drafter": self.drafting, "datastore": self.drafting, "gateway": 1}
+        ports = {role: [self.gateway_port] if role == "gateway" else
+                 [free_port() for _ in range(n)] for role, n in replicas.items()}
         self.http_port = settings.gateway.http_port
         if self.http_port == 0:
             self.http_port = free_port()  # chosen here, so that it can be printed
         settings = settings.with_overrides(**{"gateway.http_port": self.http_port},
-                                           router_address=",".join(
-                                               f"127.0.0.1:{p}" for p in router_ports),
-                                           drafter_address=f"127.0.0.1:{ports['drafter']}",
-                                           datastore_address=f"127.0.0.1:{ports['datastore']}")
+                                           router_address=_addresses(ports["router"]),
+                                           drafter_address=_addresses(ports["drafter"]),
+                                           datastore_address=_addresses(ports["datastore"]))
         source = settings.speculation.source
         drafting = tuple(role for role, used in (("drafter", serves_drafter(settings)),
                                                  ("datastore", source != "model")) if used)
         self.settings = settings  # what the children run with (the health checks' TLS too)
         # the pool's consumers and the draft sources, then the routers, then the gateway
-        first = [self.spawn("verifier", ports["verifier"] if i == 0 else free_port(), settings,
-                            name=_replica("verifier", i)) for i in range(self.verifiers)]
-        first += [self.spawn(role, ports[role], settings) for role in drafting]
-        self.wait_all(first)
-        self.wait_all([self.spawn("router", port, settings, name=_replica("router", i))
-                       for i, port in enumerate(router_ports)])
-        self.wait_all([self.spawn("gateway", ports["gateway"], settings)])
+        for roles in (("verifier", *drafting), ("router",), ("gateway",)):
+            self.wait_all([self.spawn(role, port, settings, name=_replica(role, i))
+                           for role in roles for i, port in enumerate(ports[role])])
 
     def wait_all(self, children: list[Child]) -> None:
         for child in children:
@@ -270,7 +271,7 @@ def prepare_datastore(settings: Settings) -> None:
 
 
 def up(settings: Settings, port: int, detach: bool, secure: bool = False,
-       verifiers: int = 1, routers: int = 1) -> int:
+       verifiers: int = 1, routers: int = 1, drafting: int = 1) -> int:
     state = state_path(settings)
     running = _read_state(state)
     if running and pid_alive(running["pid"]):
@@ -278,9 +279,10 @@ def up(settings: Settings, port: int, detach: bool, secure: bool = False,
               f"`specmesh down` first", file=sys.stderr)
         return 1
     if detach:
-        return _up_detached(settings, port, state, secure, verifiers, routers)
+        return _up_detached(settings, port, state, secure, verifiers, routers, drafting)
     log_dir = settings.stack_dir / "logs"  # Stack.start creates it
-    stack = Stack(settings, port, log_dir, secure=secure, verifiers=verifiers, routers=routers)
+    stack = Stack(settings, port, log_dir, secure=secure, verifiers=verifiers, routers=routers,
+                  drafting=drafting)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     try:
@@ -314,13 +316,14 @@ def up(settings: Settings, port: int, detach: bool, secure: bool = False,
 
 
 def _up_detached(settings: Settings, port: int, state: Path, secure: bool,
-                 verifiers: int, routers: int) -> int:
+                 verifiers: int, routers: int, drafting: int) -> int:
     state.parent.mkdir(parents=True, exist_ok=True)
     log = state.parent / "up.log"
     env = {**os.environ, **settings_env(settings)}
     with open(log, "w") as out:
         command = [sys.executable, "-m", "specmesh_services.cli", "up", "--port", str(port),
                    "--verifiers", str(verifiers), "--routers", str(routers),
+                   "--drafting", str(drafting),
                    *(["--secure"] if secure else [])]
         process = subprocess.Popen(command,
                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -6,7 +6,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -156,43 +158,59 @@ def test_down_kills_a_supervisor_that_ignores_sigterm(tmp_path, monkeypatch):
 
 
 def test_up_restarts_a_killed_child_and_its_stream_completes_unchanged(cli_env, tmp_path):
-    """Two verifier replicas; SIGKILL the datastore (the default model's drafter) mid-stream:
-    the request completes with the undisturbed run's tokens, `up` logs why it died and starts it
-    again on its port, and the stack serves on."""
+    """Two replicas of every role but the gateway. SIGKILL a datastore (the default model's
+    drafter) mid-stream, then a router under two streams: every stream completes with the
+    undisturbed run's tokens (a datastore's requests move to the other one, a router's streams
+    resume on the other router), `up` logs why each died and starts it again on its port, and
+    the stack serves on."""
     from specmesh import Client
 
     port = free_port()
-    up = run_cli(["up", "--detach", "--port", str(port), "--http-port", "0", "--verifiers", "2"],
-                 cli_env)
+    up = run_cli(["up", "--detach", "--port", str(port), "--http-port", "0", "--verifiers", "2",
+                  "--routers", "2", "--drafting", "2"], cli_env)
     assert up.returncode == 0, up.stdout + up.stderr
     state = tmp_path / "run" / "stack.json"
     children = json.loads(state.read_text())["children"]
-    assert {"verifier", "verifier-2"} <= set(children)
+    assert {"verifier", "verifier-2", "router", "router-2", "datastore", "datastore-2"} \
+        <= set(children)
     assert all(pid_alive(c["pid"]) for c in children.values())
+
+    def pid_of(name):
+        return json.loads(state.read_text())["children"][name]["pid"]
+
+    def restarted(name, victim):
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if pid_of(name) != victim and pid_alive(pid_of(name)):
+                return
+            time.sleep(0.5)
+        pytest.fail(f"{name} was not restarted")
     try:
         with Client(f"127.0.0.1:{port}", timeout=300) as client:
             prompt = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
             reference = client.chat(prompt, max_tokens=160)
-            victim = json.loads(state.read_text())["children"]["datastore"]["pid"]
-            tokens, killed_at = [], None
-            for chunk in client.stream_chat(prompt, max_tokens=160):
-                tokens += chunk.token_ids
-                if killed_at is None:
+            for name in ("datastore", "router"):
+                victim, killed = pid_of(name), threading.Event()
+
+                def stream():
+                    tokens = []
+                    for chunk in client.stream_chat(prompt, max_tokens=160):
+                        tokens += chunk.token_ids
+                        if not killed.is_set():
+                            killed.wait(timeout=60)
+                    return tokens
+                with ThreadPoolExecutor(2) as pool:  # one stream on each router
+                    streams = [pool.submit(stream) for _ in range(2)]
+                    time.sleep(1.0)
                     os.kill(victim, signal.SIGKILL)
-                    killed_at = len(tokens)
-            assert killed_at < len(tokens), "the stream went on after the kill"
-            assert tokens == list(reference.token_ids)
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                pid = json.loads(state.read_text())["children"]["datastore"]["pid"]
-                if pid != victim and pid_alive(pid):
-                    break
-                time.sleep(0.5)
-            else:
-                pytest.fail("the datastore was not restarted")
+                    killed.set()
+                    assert [s.result(timeout=300) for s in streams] == \
+                        [list(reference.token_ids)] * 2, name
+                restarted(name, victim)
             assert client.chat(prompt, max_tokens=16).token_ids == reference.token_ids[:16]
         log = (tmp_path / "run" / "up.log").read_text()
-        assert "datastore died (code -9)" in log and "datastore restarted" in log
+        for name in ("datastore", "router"):
+            assert f"{name} died (code -9)" in log and f"{name} restarted" in log, name
     finally:
         down = run_cli(["down"], cli_env)
     assert down.returncode == 0, down.stderr

@@ -215,3 +215,104 @@ def _annotations_fit(tree: common_pb2.TokenTree) -> bool:
     n = len(tree.tokens)
     return (len(tree.scores) in (0, n) and len(tree.sources) in (0, n)
             and all(s < len(tree.source_names) for s in tree.sources))
+
+
+# ---------------------------------------------------------------------------------------------
+# the verifier: entries through a real Redis pool to a running worker
+
+
+@pytest.fixture(scope="module")
+def redis_worker(mesh, redis_server):
+    """A VerifierWorker on the mesh's engine taking drafts from a Redis pool (a failing entry
+    is given up on after its second delivery, reclaimed after 0.5 s idle): (pool, worker)."""
+    from specmesh_services.common.pool.redis import RedisPool
+    from specmesh_services.verifier.worker import VerifierWorker
+
+    _, _, m, loop = mesh
+    settings = m.settings.verifier.model_copy(update={"claim_idle_s": 0.5,
+                                                       "max_deliveries": 2})
+
+    async def start():
+        pool = RedisPool(redis_server.url, prefix="fuzz-entries")
+        worker = VerifierWorker(m.worker.engine, pool, m.worker.executor, settings)
+        worker.start()
+        return pool, worker
+    pool, worker = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=60)
+    yield pool, worker, loop
+    asyncio.run_coroutine_threadsafe(worker.stop(), loop).result(timeout=60)
+    asyncio.run_coroutine_threadsafe(pool.close(), loop).result(timeout=60)
+
+
+@st.composite
+def stream_entries(draw, vocab: int) -> bytes:
+    """What a drafts-stream entry's data can hold: a DraftEntry (any tree, any request id, a
+    tree far over the node budget, an empty one) or bytes that are none."""
+    kind = draw(st.sampled_from(["entry", "entry", "entry", "oversized", "empty", "bytes"]))
+    if kind == "bytes":
+        return draw(st.binary(max_size=64))
+    entry = (pool_pb2.DraftEntry() if kind == "empty" else draw(entries(vocab)))
+    if kind == "oversized":
+        n = draw(st.integers(5_000, 20_000))
+        entry.tree.tokens[:] = [1] * n
+        entry.tree.parents[:] = list(range(-1, n - 1))
+    entry.reply_to = "fuzz-router"
+    return entry.SerializeToString()
+
+
+@FUZZ
+@given(data=st.data())
+def test_any_pool_entry_is_verified_refused_or_dead_lettered_and_the_worker_serves_on(
+        mesh, redis_worker, data):
+    """Each entry leaves the pool (verified, answered with an error or a stale reply, dropped
+    for an unknown request, or dead-lettered with its reason); the worker's loop survives, and a
+    good draft of another request is verified after it."""
+    pool, worker, loop = redis_worker
+    data_bytes = data.draw(stream_entries(worker.engine.lm.vocab_size))
+
+    async def example():
+        await pool.put_request(pool_pb2.RequestState(request_id="fuzz", prompt_ids=[1, 2, 3, 4],
+                                                     seed=1), 60)
+        dead = len(await pool.dead_letters(10_000))
+        await pool._redis.xadd(pool._drafts, {"data": data_bytes})
+        await until(lambda: _empty(pool), "the entry to leave the pool")
+        answers = await pool.results("fuzz-router", 0.05)
+        dead_lettered = len(await pool.dead_letters(10_000)) > dead
+        event("dead-lettered" if dead_lettered else "answered: " + (
+            "stale" if answers and answers[0].stale else "error" if answers and answers[0].error
+            else "verified") if answers else "dropped")
+        assert all(task.done() is False for task in worker._tasks), "the worker's loop died"
+        # a good draft is served after it
+        await pool.put_request(pool_pb2.RequestState(request_id="good", prompt_ids=[1, 2, 3],
+                                                     seed=1), 60)
+        await pool.submit(pool_pb2.DraftEntry(request_id="good", step=0, base_len=0,
+                                              reply_to="fuzz-good"))
+        (good,) = await until_result(pool, "fuzz-good")
+        assert not good.error and not good.stale
+        for rid in ("fuzz", "good"):
+            await pool.delete_request(rid)
+
+    asyncio.run_coroutine_threadsafe(example(), loop).result(timeout=120)
+
+
+async def _empty(pool) -> bool:
+    return await pool.pending() == 0
+
+
+async def until(predicate, what: str, timeout: float = 60.0) -> None:
+    deadline = loop_time() + timeout
+    while not await predicate():
+        assert loop_time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+async def until_result(pool, router: str, timeout: float = 60.0):
+    deadline = loop_time() + timeout
+    while True:
+        found = await pool.results(router, 0.5)
+        if found:
+            return found
+        assert loop_time() < deadline, "no result for the good draft"
+
+
+def loop_time() -> float:
+    return asyncio.get_running_loop().time()

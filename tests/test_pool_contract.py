@@ -405,3 +405,24 @@ def test_redis_key_layout_and_lost_groups(redis_url, run):
             await raw.aclose()
 
     run(body())
+
+
+def test_redis_entries_that_are_no_draft_are_dead_lettered_on_delivery(redis_url, run):
+    """Bytes that do not parse, or no data field: written to the stream by something else than
+    a router. No verifier could take them; they are dead-lettered with the reason at once."""
+    pool = RedisPool(redis_url, prefix="test")
+
+    async def body():
+        raw = pool._redis
+        await raw.xadd(pool._drafts, {"data": b"\xff\xff\xff not a protobuf"})
+        await raw.xadd(pool._drafts, {"other": b"x"})
+        await pool.submit(draft("r1"))
+        (taken,) = await pool.take("v1", 10, block_s=1.0)
+        assert taken.entry.request_id == "r1"
+        reasons = [reason for _, reason in await pool.dead_letters()]
+        assert len(reasons) == 2 and "undecodable" in reasons[0] and "without a data" in reasons[1]
+        await pool.ack(taken)
+        assert await pool.pending() == 0
+        await pool.close()
+
+    run(body())

@@ -292,8 +292,11 @@ class Settings(BaseSettings):
     router_address: str = Field("127.0.0.1:50052", description="gateway -> router; comma-"
                                 "separated replicas: new requests go round-robin, a stream "
                                 "whose router dies resumes on another")
-    drafter_address: str = Field("127.0.0.1:50053", description="router -> drafter")
-    datastore_address: str = Field("127.0.0.1:50055", description="router -> datastore")
+    drafter_address: str = Field("127.0.0.1:50053", description="router -> drafter; comma-"
+                                 "separated replicas: each request sticks to one, moving when "
+                                 "it dies")
+    datastore_address: str = Field("127.0.0.1:50055", description="router -> datastore; comma-"
+                                   "separated replicas, as drafter_address")
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     tls: TlsSettings = Field(default_factory=TlsSettings)

@@ -13,6 +13,7 @@ from specmesh_services.common.rpc import channel, start_server
 from specmesh_services.common.datastore_files import tokenizer_family
 from specmesh_services.common.drafts import router_drafters, serves_drafter
 from specmesh_services.router.engine import Router, TargetInfo
+from specmesh_services.router.replicas import DatastoreReplicas, DrafterReplicas
 from specmesh_services.router.servicer import SERVICE_NAME, RouterServicer
 from specmesh.v1 import (datastore_pb2, datastore_pb2_grpc, drafter_pb2, drafter_pb2_grpc,
                          router_pb2_grpc)
@@ -37,6 +38,18 @@ async def check_datastore(datastore, tokenizer, timeout_s: float) -> None:
                          f"(specmesh datastore build --model ...)")
 
 
+def replicated(addresses: str, settings: Settings, channels: list, stub, replicas):
+    """The stub of a drafting service at `addresses` (comma-separated replicas: one stub over
+    all of them, each request sticking to one); its channels are appended to `channels`."""
+    stubs = []
+    for address in (a.strip() for a in addresses.split(",") if a.strip()):
+        channels.append(channel(address, settings.tls))
+        stubs.append(stub(channels[-1]))
+    if not stubs:
+        raise SystemExit(f"no address given for the drafting service ({addresses!r})")
+    return stubs[0] if len(stubs) == 1 else replicas(stubs)
+
+
 async def start(settings: Settings):
     if not settings.redis_url:
         raise SystemExit("the router service needs the pool: set --redis-url / SPECMESH_REDIS_URL")
@@ -44,13 +57,15 @@ async def start(settings: Settings):
     path = models.resolve(settings.model, settings.cache_dir)
     tokenizer = models.load_tokenizer(path)
     pool = pool_mod.connect(settings.redis_url, settings.pool_prefix)
-    drafter_channel = channel(settings.drafter_address, settings.tls) if serves_drafter(settings) else None
-    datastore_channel = datastore = None
+    channels: list = []
+    drafter = datastore = None
+    if serves_drafter(settings):
+        drafter = replicated(settings.drafter_address, settings, channels,
+                             drafter_pb2_grpc.DrafterStub, DrafterReplicas)
     if settings.speculation.source != "model":
-        datastore_channel = channel(settings.datastore_address, settings.tls)
-        datastore = datastore_pb2_grpc.DatastoreStub(datastore_channel)
+        datastore = replicated(settings.datastore_address, settings, channels,
+                               datastore_pb2_grpc.DatastoreStub, DatastoreReplicas)
         await check_datastore(datastore, tokenizer, settings.router.step_timeout_s)
-    drafter = drafter_pb2_grpc.DrafterStub(drafter_channel) if drafter_channel else None
     names, costs, prefill = None, None, None
     spec = settings.speculation
     if drafter is not None and spec.depth > 0:
@@ -82,10 +97,8 @@ async def start(settings: Settings):
 
     async def cleanup() -> None:
         await router.stop()
-        if drafter_channel is not None:
-            await drafter_channel.close()
-        if datastore_channel is not None:
-            await datastore_channel.close()
+        for c in channels:
+            await c.close()
         await pool.close()
     return server, port, cleanup
 

@@ -22,11 +22,13 @@ and again if Redis lost them (NOGROUP), so a restarted Redis only loses in-fligh
 """
 from __future__ import annotations
 
+import logging
 import struct
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from redis.asyncio import Redis
+from google.protobuf.message import DecodeError
 from redis.exceptions import ResponseError
 
 from specmesh_services.common.pool.base import Pool, Taken, stale_result
@@ -40,6 +42,7 @@ DEAD_MAXLEN = 10_000  # approximate cap of the dead-letter stream
 RELEASES_BATCH = 1_000  # ids returned by one `releases` call at most
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 # KEYS: req, tok, results, drafts. ARGV: base_len, packed tokens, result, entry id, group, maxlen,
 # stale result (published instead when the count is not base_len).
@@ -106,6 +109,17 @@ def _entries(reply) -> list[tuple[str, dict]]:
 
 def _draft(data: bytes) -> pool_pb2.DraftEntry:
     return pool_pb2.DraftEntry.FromString(data)
+
+
+def _decoded(fields: dict) -> pool_pb2.DraftEntry | str:
+    """The entry in a drafts-stream entry's fields, or why there is none."""
+    data = fields.get(b"data")
+    if data is None:
+        return "a draft entry without a data field"
+    try:
+        return _draft(data)
+    except DecodeError as err:
+        return f"an undecodable draft entry ({len(data)} bytes: {err})"
 
 
 class RedisPool(Pool):
@@ -182,16 +196,32 @@ class RedisPool(Pool):
     async def take(self, consumer: str, count: int, block_s: float) -> list[Taken]:
         reply = await self._grouped(self._drafts, VERIFIERS, lambda: self._redis.xreadgroup(
             VERIFIERS, consumer, {self._drafts: ">"}, count=count, block=_block_ms(block_s)))
-        return [Taken(entry_id, _draft(fields[b"data"]), 1) for entry_id, fields in _entries(reply)]
+        return await self._taken([(entry_id, fields, 1) for entry_id, fields in _entries(reply)])
 
     async def claim_stale(self, consumer: str, min_idle_s: float, count: int) -> list[Taken]:
         args = [VERIFIERS, consumer, round(min_idle_s * 1000), count]
         rows = await self._grouped(self._drafts, VERIFIERS,
                                    lambda: self._claim(keys=[self._drafts], args=args))
+        return await self._taken([(entry_id.decode(), dict(zip(fields[::2], fields[1::2])),
+                                   int(deliveries)) for entry_id, fields, deliveries in rows])
+
+    async def _taken(self, rows: list[tuple[str, dict, int]]) -> list[Taken]:
+        """The delivered entries; one that is not a DraftEntry goes to the dead-letter stream
+        at once (no verifier could ever take it, and it names no router to tell)."""
         out = []
         for entry_id, fields, deliveries in rows:
-            data = dict(zip(fields[::2], fields[1::2]))[b"data"]
-            out.append(Taken(entry_id.decode(), _draft(data), int(deliveries)))
+            entry = _decoded(fields)
+            if isinstance(entry, str):
+                log.warning("dead-lettering drafts entry %s: %s", entry_id, entry)
+                async with self._redis.pipeline(transaction=True) as pipe:
+                    pipe.xadd(self._dead, {"data": fields.get(b"data", b""), "reason": entry,
+                                           "deliveries": deliveries},
+                              maxlen=DEAD_MAXLEN, approximate=True)
+                    pipe.xack(self._drafts, VERIFIERS, entry_id)
+                    pipe.xdel(self._drafts, entry_id)
+                    await pipe.execute()
+                continue
+            out.append(Taken(entry_id, entry, deliveries))
         return out
 
     async def complete(self, taken: Taken, result: pool_pb2.VerifyResult,
@@ -235,7 +265,12 @@ class RedisPool(Pool):
 
     async def dead_letters(self, count: int = 100) -> list[tuple[pool_pb2.DraftEntry, str]]:
         rows = await self._redis.xrevrange(self._dead, count=count)
-        return [(_draft(fields[b"data"]), fields[b"reason"].decode()) for _, fields in rows[::-1]]
+        out = []
+        for _, fields in rows[::-1]:
+            entry = _decoded(fields)
+            out.append((entry if isinstance(entry, pool_pb2.DraftEntry) else pool_pb2.DraftEntry(),
+                        fields[b"reason"].decode()))
+        return out
 
     async def has_entry(self, entry_id: str) -> bool:
         return bool(await self._redis.xrange(self._drafts, entry_id, entry_id, count=1))
