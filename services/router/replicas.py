@@ -20,6 +20,8 @@ from specmesh.v1 import datastore_pb2, drafter_pb2
 
 
 class _Sticky:
+    released: type  # the service's release reply
+
     def __init__(self, stubs: Sequence, down_s: float = 5.0) -> None:
         self.stubs = list(stubs)
         self.down_s = down_s
@@ -46,9 +48,15 @@ class _Sticky:
         return max(replicas, key=lambda i: hashlib.blake2b(f"{i}:{request_id}".encode(),
                                                             digest_size=8).digest())
 
-    def forget(self, request_ids: Sequence[str]) -> None:
-        for request_id in request_ids:
+    async def Info(self, request, timeout: float | None = None):  # noqa: N802 - the stub's names
+        return await self._any("Info", request, timeout)
+
+    async def Release(self, request, timeout: float | None = None):  # noqa: N802
+        """On every replica (the request may have moved); it goes home again."""
+        released = await self._everywhere("Release", request, timeout)
+        for request_id in request.request_ids:
             self._placed.pop(request_id, None)
+        return self.released(released=released)
 
     async def _call(self, index: int, method: str, request, timeout: float | None):
         try:
@@ -91,8 +99,7 @@ class _Sticky:
 class DrafterReplicas(_Sticky):
     """The drafter service's stub over its replicas."""
 
-    async def Info(self, request, timeout: float | None = None):  # noqa: N802 - the stub's names
-        return await self._any("Info", request, timeout)
+    released = drafter_pb2.DraftReleaseResponse
 
     async def Prefill(self, request, timeout: float | None = None):  # noqa: N802
         return await self._call(self.pick(request.request_id), "Prefill", request, timeout)
@@ -113,17 +120,11 @@ class DrafterReplicas(_Sticky):
                                  lambda items: drafter_pb2.DraftBatchRequest(items=items),
                                  merge, timeout)
 
-    async def Release(self, request, timeout: float | None = None):  # noqa: N802
-        released = await self._everywhere("Release", request, timeout)
-        self.forget(request.request_ids)
-        return drafter_pb2.DraftReleaseResponse(released=released)
-
 
 class DatastoreReplicas(_Sticky):
     """The datastore service's stub over its replicas."""
 
-    async def Info(self, request, timeout: float | None = None):  # noqa: N802 - the stub's names
-        return await self._any("Info", request, timeout)
+    released = datastore_pb2.DatastoreReleaseResponse
 
     async def Lookup(self, request, timeout: float | None = None):  # noqa: N802
         def merge(parts):
@@ -137,8 +138,3 @@ class DatastoreReplicas(_Sticky):
         return await self._split("Lookup", request.items,
                                  lambda items: datastore_pb2.LookupBatchRequest(items=items),
                                  merge, timeout)
-
-    async def Release(self, request, timeout: float | None = None):  # noqa: N802
-        released = await self._everywhere("Release", request, timeout)
-        self.forget(request.request_ids)
-        return datastore_pb2.DatastoreReleaseResponse(released=released)
