@@ -1,7 +1,8 @@
 """Hostile input, generated (hypothesis): every public field of the gateway's gRPC API and of its
-HTTP API, and draft trees / pool entries handed straight to the verifier's engine. Each is served
-or refused (INVALID_ARGUMENT, an HTTP 4xx in OpenAI's shape, an error result), nothing crashes,
-and a good request is served after every example.
+HTTP API, draft trees / pool entries handed straight to the verifier's engine, and anything a
+drafts-stream entry of the Redis pool can hold, taken by a running verifier worker. Each is
+served or refused (INVALID_ARGUMENT, an HTTP 4xx in OpenAI's shape, an error result, a stale
+reply, dead-lettered), nothing crashes, and a good request is served after every example.
 
 One embedded mesh (SmolLM2-135M, a 4-layer truncated draft, at most 4 new tokens a request)
 serves the gRPC gateway and the HTTP app; the engine tests use that mesh's verifier engine."""
@@ -251,6 +252,8 @@ def stream_entries(draw, vocab: int) -> bytes:
     if kind == "bytes":
         return draw(st.binary(max_size=64))
     entry = (pool_pb2.DraftEntry() if kind == "empty" else draw(entries(vocab)))
+    if kind == "entry" and draw(st.booleans()):
+        entry.base_len = 0  # the request's own count: applied, if the tree is sound
     if kind == "oversized":
         n = draw(st.integers(5_000, 20_000))
         entry.tree.tokens[:] = [1] * n
@@ -277,9 +280,9 @@ def test_any_pool_entry_is_verified_refused_or_dead_lettered_and_the_worker_serv
         await until(lambda: _empty(pool), "the entry to leave the pool")
         answers = await pool.results("fuzz-router", 0.05)
         dead_lettered = len(await pool.dead_letters(10_000)) > dead
-        event("dead-lettered" if dead_lettered else "answered: " + (
-            "stale" if answers and answers[0].stale else "error" if answers and answers[0].error
-            else "verified") if answers else "dropped")
+        outcome = ("dead-lettered" if dead_lettered else "dropped" if not answers else
+                   "stale" if answers[0].stale else "refused" if answers[0].error
+                   else "verified")
         assert all(task.done() is False for task in worker._tasks), "the worker's loop died"
         # a good draft is served after it
         await pool.put_request(pool_pb2.RequestState(request_id="good", prompt_ids=[1, 2, 3],
@@ -290,8 +293,9 @@ def test_any_pool_entry_is_verified_refused_or_dead_lettered_and_the_worker_serv
         assert not good.error and not good.stale
         for rid in ("fuzz", "good"):
             await pool.delete_request(rid)
+        return outcome
 
-    asyncio.run_coroutine_threadsafe(example(), loop).result(timeout=120)
+    event(asyncio.run_coroutine_threadsafe(example(), loop).result(timeout=120))
 
 
 async def _empty(pool) -> bool:
