@@ -25,11 +25,13 @@ VICTIMS = ("verifier", "router", "drafter", "datastore")
 
 
 class Chaos(threading.Thread):
-    """Kills a random live process of the `roles` every `every_s` and restarts it."""
+    """Kills a random live process of the `roles` every `every_s` and restarts it; with
+    `in_turn`, a process of each role in turn (every role gets killed in a short run)."""
 
-    def __init__(self, stack, every_s: float, seed: int = 0, roles=VICTIMS) -> None:
+    def __init__(self, stack, every_s: float, seed: int = 0, roles=VICTIMS,
+                 in_turn: bool = False) -> None:
         super().__init__(daemon=True)
-        self.stack, self.every_s, self.roles = stack, every_s, roles
+        self.stack, self.every_s, self.roles, self.in_turn = stack, every_s, roles, in_turn
         self.rng = random.Random(seed)
         self.kills: list[tuple[float, str, float]] = []  # (at s, name, seconds until it served)
         self.began = time.monotonic()
@@ -39,8 +41,10 @@ class Chaos(threading.Thread):
     def run(self) -> None:
         try:
             while not self._halt.wait(self.every_s):
+                roles = ((self.roles[len(self.kills) % len(self.roles)],) if self.in_turn
+                         else self.roles)
                 live = [c for c in self.stack.children
-                        if c.role in self.roles and c.process.poll() is None]
+                        if c.role in roles and c.process.poll() is None]
                 victim = self.rng.choice(live)
                 at = time.monotonic()
                 victim.process.kill()
