@@ -15,32 +15,37 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import TypeVar
 
 from bench.load import chat_prompts, references, report_head, run_load, running_stack
 from bench.run import save_report
 
 VICTIMS = ("verifier", "router", "drafter", "datastore")
+T = TypeVar("T")
 
 
-class Chaos(threading.Thread):
+class Chaos:
     """Kills a random live process of the `roles` every `every_s` and restarts it; with
     `in_turn`, a process of each role in turn (every role gets killed in a short run)."""
 
     def __init__(self, stack, every_s: float, seed: int = 0, roles=VICTIMS,
                  in_turn: bool = False) -> None:
-        super().__init__(daemon=True)
         self.stack, self.every_s, self.roles, self.in_turn = stack, every_s, roles, in_turn
         self.rng = random.Random(seed)
         self.kills: list[tuple[float, str, float]] = []  # (at s, name, seconds until it served)
-        self.began = time.monotonic()
-        self._halt = threading.Event()
-        self.failure: BaseException | None = None
 
-    def run(self) -> None:
-        try:
-            while not self._halt.wait(self.every_s):
+    def during(self, work: Callable[[], T]) -> T:
+        """Runs `work` in a thread of its own and kills meanwhile, from the calling thread,
+        until it returns; returns its result. The restarts happen in the calling thread because
+        a child dies with the thread that started it (the parent-death signal follows the
+        thread), and the caller outlives the run."""
+        began = time.monotonic()
+        with ThreadPoolExecutor(1) as pool:
+            future = pool.submit(work)
+            while not wait([future], timeout=self.every_s).done:
                 roles = ((self.roles[len(self.kills) % len(self.roles)],) if self.in_turn
                          else self.roles)
                 live = [c for c in self.stack.children
@@ -50,16 +55,9 @@ class Chaos(threading.Thread):
                 victim.process.kill()
                 victim.process.wait()
                 self.stack.restart(victim)
-                self.kills.append((round(at - self.began, 1), victim.name,
+                self.kills.append((round(at - began, 1), victim.name,
                                    round(time.monotonic() - at, 1)))
-        except BaseException as err:  # noqa: BLE001 - reported by stop()
-            self.failure = err
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join()
-        if self.failure is not None:
-            raise RuntimeError("the chaos thread failed") from self.failure
+            return future.result()
 
 
 def markdown(report: dict) -> str:
@@ -111,12 +109,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"references: {len(prompts)} prompts, one at a time", flush=True)
         expected = asyncio.run(references(address, prompts, args.max_tokens))
         chaos = Chaos(stack, args.kill_every_s, args.seed)
-        chaos.start()
         print(f"load: {args.concurrency} streams for {args.seconds:.0f} s, a kill every "
               f"{args.kill_every_s:.0f} s", flush=True)
-        stats = asyncio.run(run_load(address, prompts, expected, args.max_tokens,
-                                     args.concurrency, seconds=args.seconds))
-        chaos.stop()
+        stats = chaos.during(lambda: asyncio.run(run_load(
+            address, prompts, expected, args.max_tokens, args.concurrency,
+            seconds=args.seconds)))
     report = {**report_head("chaos", argv, args, settings.model, stats), "kills": chaos.kills}
     save_report(f"chaos-{args.tag}", report, markdown(report))
     return 0 if not stats.errors and not stats.mismatched else 1

@@ -404,15 +404,18 @@ def test_a_verifier_drains_on_sigterm_and_nothing_is_lost(stack, questions,
 
 def test_dead_drafting_services_leave_the_verifiers_heads_without_losing_output(
         stack, client, questions, hf_greedy_reference):
+    killed = []
     for role in ("drafter", "datastore"):  # first the model drafter, then the datastore too
-        dead = child(stack, role)
-        dead.process.send_signal(signal.SIGKILL)
-        dead.process.wait()
+        killed.append(child(stack, role))
+        killed[-1].process.send_signal(signal.SIGKILL)
+        killed[-1].process.wait()
         out = client.chat([{"role": "user", "content": questions[1]["turns"][0]}],
                           max_tokens=MAX_TOKENS)
         assert out.token_ids == hf_greedy_reference[1], role
     # only the heads (served by the verifier) still draft
     assert {name for d in out.stats.decisions for name in d.drafters} <= {"heads"}
+    for dead in killed:  # back, for the tests after this one
+        stack.restart(dead)
 
 
 def streams_in_flight(stack, prompts, act):
@@ -468,13 +471,9 @@ def test_chaos_a_random_service_killed_every_few_seconds_loses_nothing(stack, qu
     prompts = [Prompt(f"mtbench-{i}", ({"role": "user", "content": questions[i]["turns"][0]},))
                for i in ids]
     chaos = Chaos(stack, every_s=3.0, seed=3, in_turn=True)
-    chaos.start()
-    try:
-        stats = asyncio.run(run_load(f"127.0.0.1:{stack.gateway_port}", prompts,
-                                     [hf_greedy_reference[i] for i in ids], MAX_TOKENS,
-                                     concurrency=4, requests=32))
-    finally:
-        chaos.stop()
+    stats = chaos.during(lambda: asyncio.run(run_load(
+        f"127.0.0.1:{stack.gateway_port}", prompts, [hf_greedy_reference[i] for i in ids],
+        MAX_TOKENS, concurrency=4, requests=32)))
     print("chaos:", stats.summary(), "kills:", chaos.kills)
     assert not stats.errors and not stats.mismatched, stats.summary()
     assert stats.requests == stats.identical == 32
