@@ -1,8 +1,11 @@
 """The verifier's KV cache manager: preallocated, block-allocated storage shared by all requests.
 
 One tensor per K and V holds every layer's rows: `[num_layers, num_slots, kv_heads, head_dim]`,
-allocated once at start-up (`torch.empty`: pages the OS only backs when written). Slots are handed
-out in blocks of `block_size`; a request owns a list of blocks, and position p of the request
+allocated once at start-up and written (zeros), so the budget is memory the process holds from
+the start: its RSS stays flat under load, and a memory limit is met at start-up, not mid-stream
+(left unwritten, the OS backs pages as blocks are first used and the RSS climbs by the budget
+under load: docs/benchmarks/2026-11-27-soak-chaos.md). Slots are handed out in blocks of
+`block_size`; a request owns a list of blocks, and position p of the request
 lives at slot `blocks[p // block_size] * block_size + p % block_size`. The attention kernels read
 a request's rows through that slot list (kernels/), so no request needs contiguous storage and
 nothing is ever reallocated.
@@ -44,8 +47,8 @@ class KVStore:
         self.num_blocks = capacity_tokens // block_size
         self.num_slots = self.num_blocks * block_size
         shape = (num_layers, self.num_slots, kv_heads, head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)  # [L, slots, KVH, D]
-        self.v = torch.empty(shape, dtype=dtype, device=device)  # [L, slots, KVH, D]
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, slots, KVH, D]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, slots, KVH, D]
         self.free_blocks: list[int] = list(range(self.num_blocks - 1, -1, -1))  # pop() = lowest
         self.seqs: dict[str, SeqBlocks] = {}
         self._compact = compact or compact_kv_torch
