@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.peers_report import host
 from specmesh import AsyncClient
 from specmesh_services.common.prompts import humaneval_problems, mtbench_questions
 
@@ -55,11 +58,6 @@ class LoadStats:
 def report_head(script: str, argv: list[str] | None, args, model: str, stats: LoadStats
                 ) -> dict:
     """What a load benchmark's report starts with: date, host, command, config, load figures."""
-    import datetime
-    import sys
-
-    from bench.peers_report import host
-
     given = argv if argv is not None else sys.argv[1:]
     return {"date": datetime.date.today().isoformat(), "host": host(),
             "command": f"python -m bench.{script} " + " ".join(given),

@@ -29,7 +29,6 @@ class Routers:
         self.stubs = list(stubs)
         self.resume_s = resume_s
         self._turn = itertools.count()
-        self.resumed = 0  # streams gone on on another router
 
     def Generate(self, route: router_pb2.RouteRequest, timeout: float | None = None  # noqa: N802 - the stub's name
                  ) -> AsyncIterator[router_pb2.RouteChunk]:
@@ -73,7 +72,6 @@ class Routers:
                 if now >= deadline:
                     raise
                 at, tries = at + 1, tries + 1
-                self.resumed += 1
                 log.warning("router failed on %s (%s: %s): going on after %d tokens on the "
                             "next", route.request_id, code.name, err.details(), sent.tokens)
                 if tries % len(self.stubs) == 0:  # every router tried once more: wait a little

@@ -14,7 +14,7 @@ from specmesh_gateway.routers import Routers
 from specmesh_gateway.servicer import SERVICE_NAME, GatewayServicer
 from specmesh_services.common import metrics, models, security, serving
 from specmesh_services.common.config import Settings
-from specmesh_services.common.rpc import channel, start_server
+from specmesh_services.common.rpc import channels, start_server
 from specmesh.v1 import gateway_pb2_grpc, router_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -44,19 +44,11 @@ def router_ready(router_channels: list[grpc.aio.Channel]):
     return ready
 
 
-def router_addresses(settings: Settings) -> list[str]:
-    addresses = [a.strip() for a in settings.router_address.split(",") if a.strip()]
-    if not addresses:
-        raise SystemExit("router_address is empty: give the router's host:port (comma-separated "
-                         "for replicas)")
-    return addresses
-
-
 async def start(settings: Settings):
     keys = security.api_keys(settings.gateway)
     if keys:
         log.info("API keys required: %d accepted", len(keys))
-    router_channels = [channel(address, settings.tls) for address in router_addresses(settings)]
+    router_channels = channels(settings.router_address, settings.tls, "router")
     routers = Routers([router_pb2_grpc.RouterStub(c) for c in router_channels],
                       settings.gateway.resume_s)
     servicer = GatewayServicer(routers, served_model(settings))

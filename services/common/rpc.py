@@ -135,6 +135,15 @@ async def not_serving(server: grpc.aio.Server) -> None:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
+def channels(addresses: str, tls: TlsSettings | None, what: str) -> list[grpc.aio.Channel]:
+    """One channel per address of a comma-separated list of a service's replicas."""
+    found = [a.strip() for a in addresses.split(",") if a.strip()]
+    if not found:
+        raise SystemExit(f"no address given for the {what}: host:port, comma-separated for "
+                         f"replicas")
+    return [channel(address, tls) for address in found]
+
+
 def channel(address: str, tls: TlsSettings | None = None) -> grpc.aio.Channel:
     """Client channel with tracing interceptors; TLS when `tls` is enabled."""
     credentials = security.channel_credentials(tls) if tls is not None else None

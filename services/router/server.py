@@ -9,7 +9,7 @@ import grpc
 from specmesh_services.common import cores, metrics, models, pool as pool_mod, serving
 from specmesh_services.common.metrics import RouterMetrics
 from specmesh_services.common.config import Settings
-from specmesh_services.common.rpc import channel, start_server
+from specmesh_services.common.rpc import channels, start_server
 from specmesh_services.common.datastore_files import tokenizer_family
 from specmesh_services.common.drafts import router_drafters, serves_drafter
 from specmesh_services.router.engine import Router, TargetInfo
@@ -38,15 +38,12 @@ async def check_datastore(datastore, tokenizer, timeout_s: float) -> None:
                          f"(specmesh datastore build --model ...)")
 
 
-def replicated(addresses: str, settings: Settings, channels: list, stub, replicas):
+def replicated(addresses: str, settings: Settings, held: list, stub, replicas):
     """The stub of a drafting service at `addresses` (comma-separated replicas: one stub over
-    all of them, each request sticking to one); its channels are appended to `channels`."""
-    stubs = []
-    for address in (a.strip() for a in addresses.split(",") if a.strip()):
-        channels.append(channel(address, settings.tls))
-        stubs.append(stub(channels[-1]))
-    if not stubs:
-        raise SystemExit(f"no address given for the drafting service ({addresses!r})")
+    all of them, each request sticking to one); its channels are appended to `held`."""
+    opened = channels(addresses, settings.tls, "drafting service")
+    held.extend(opened)
+    stubs = [stub(c) for c in opened]
     return stubs[0] if len(stubs) == 1 else replicas(stubs)
 
 
@@ -57,13 +54,13 @@ async def start(settings: Settings):
     path = models.resolve(settings.model, settings.cache_dir)
     tokenizer = models.load_tokenizer(path)
     pool = pool_mod.connect(settings.redis_url, settings.pool_prefix)
-    channels: list = []
+    held: list = []
     drafter = datastore = None
     if serves_drafter(settings):
-        drafter = replicated(settings.drafter_address, settings, channels,
+        drafter = replicated(settings.drafter_address, settings, held,
                              drafter_pb2_grpc.DrafterStub, DrafterReplicas)
     if settings.speculation.source != "model":
-        datastore = replicated(settings.datastore_address, settings, channels,
+        datastore = replicated(settings.datastore_address, settings, held,
                                datastore_pb2_grpc.DatastoreStub, DatastoreReplicas)
         await check_datastore(datastore, tokenizer, settings.router.step_timeout_s)
     names, costs, prefill = None, None, None
@@ -97,7 +94,7 @@ async def start(settings: Settings):
 
     async def cleanup() -> None:
         await router.stop()
-        for c in channels:
+        for c in held:
             await c.close()
         await pool.close()
     return server, port, cleanup
