@@ -26,7 +26,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from specmesh_services.common import rpc, telemetry
+from specmesh_services.common import rpc, tasks, telemetry
 from specmesh_services.common.config import RouterSettings, SpeculationSettings
 from specmesh_services.common.metrics import RouterMetrics
 from specmesh_services.common.pool import POOL_DOWN, Pool
@@ -159,8 +159,7 @@ class Router:
 
     async def stop(self) -> None:
         if self._dispatcher:
-            self._dispatcher.cancel()
-            await asyncio.gather(self._dispatcher, return_exceptions=True)
+            await tasks.stop([self._dispatcher])
 
     async def _dispatch(self) -> None:
         while True:

@@ -28,7 +28,7 @@ from concurrent.futures import Executor
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
-from specmesh_services.common import telemetry
+from specmesh_services.common import tasks, telemetry
 from specmesh_services.common.config import VerifierSettings
 from specmesh_services.common.pool import Pool, Taken
 from specmesh_services.verifier.engine import VerifierEngine
@@ -63,9 +63,7 @@ class VerifierWorker:
                        asyncio.create_task(self._release_loop(), name=f"{self.name}-release")]
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await tasks.stop(self._tasks)
 
     async def drain(self, timeout_s: float) -> None:
         """Takes no new entries, finishes the step in progress (its results published and

@@ -1,0 +1,34 @@
+"""Stopping the background loops of a service (the verifier's pool loops, the router's result
+dispatcher) for sure.
+
+One `Task.cancel()` is not enough on Python 3.11: `asyncio.wait_for` returns the result, and
+drops the cancellation, when its inner call completes in the same loop turn as the cancel, and
+redis-py sends every command through `wait_for` (its default 5 s socket timeout). A loop
+cancelled while a Redis command is on the wire then simply goes on: measured with redis-py 8.1
+on Python 3.11.7, 185 of 300 cancels of a task looping on XLEN were lost (fixed in 3.12's
+`wait_for`). `stop` cancels again until the tasks have ended."""
+import asyncio
+import logging
+from collections.abc import Iterable
+
+log = logging.getLogger(__name__)
+
+RECANCEL_S = 0.05  # how long a cancelled task gets before it is cancelled again
+
+
+async def stop(tasks: Iterable[asyncio.Task]) -> None:
+    """Cancels `tasks` and waits until every one has ended, cancelling again the ones whose
+    cancellation a library call swallowed."""
+    tasks = list(tasks)
+    pending = {task for task in tasks if not task.done()}
+    rounds = 0
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=RECANCEL_S)
+        rounds += 1
+        if pending and rounds % 100 == 0:  # every 5 s: a loop that never ends is a bug
+            log.warning("still stopping %s", ", ".join(sorted(t.get_name() for t in pending)))
+    for task in tasks:  # retrieved, so that asyncio does not log "never retrieved"
+        if not task.cancelled():
+            task.exception()
