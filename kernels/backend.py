@@ -1,19 +1,8 @@
 """Attention backend selection: the ONE place deciding which kernels serve the verifier.
 
-The verifier builds its backend once (services/verifier/server.py, engine.py) and calls
-`backend.attend(...)` once per layer of every packed forward (tree_attention signature,
-kernels/__init__.py) and `backend.compact(...)` when accepting paths.
-
-| device | prefer="auto"                        | also allowed                                  |
-| ------ | ------------------------------------ | --------------------------------------------- |
-| cuda   | flash-attn if importable, else triton | torch, triton, flash-attn (if importable)      |
-| cpu    | torch (SDPA per segment)             | triton only under TRITON_INTERPRET=1 (tests)  |
-
-"flash-attn" = the prefix part through flash_attn_varlen_func (K/V gathered per segment, its
-natural-log LSE from return_attn_probs=True), the tree part through our Triton kernel restricted
-to the new rows, both merged exactly with merge_states_triton. It cannot run on this CPU-only
-machine, so it is untested here: see `tree_attention_flash` for what it assumes.
-
+The verifier builds its backend once (services/verifier/server.py, engine.py) and calls its
+`attend` once per layer of every packed forward and its `compact` when accepting paths (the
+calls' layout: `AttentionBackend`). Which backend runs where: `select_attention_backend`.
 Triton is imported lazily: selecting or using the torch backend never imports it.
 """
 from __future__ import annotations
@@ -37,7 +26,21 @@ PREFERENCES = ("auto", "torch", "triton", "flash-attn")
 @dataclass(frozen=True)
 class AttentionBackend:
     """What the verifier calls: attend(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_slots,
-    tree_mask, mask_indptr, scale, meta=None) -> o [T, H, D]; compact(k, v, src, dst)."""
+    tree_mask, mask_indptr, scale, meta=None) -> o [T, H, D] for every layer of its packed
+    forward (services/verifier/packed.py), once the new rows' K/V are in the layer's KV store;
+    compact(k, v, src, dst) after the tree walk, moving the accepted path's rows to the end of
+    the prefix (compaction.py).
+
+    Layout of one attend (T new rows in total, S segments, one per request: a prefill chain
+    and/or the root + tree nodes):
+    - q: [T, H, D] packed query rows; segment s owns rows qo_indptr[s] : qo_indptr[s + 1] (n_s).
+    - k_cache, v_cache: [num_slots, KVH, D], one layer's storage; H % KVH == 0 and query head h
+      reads KV head h // (H // KVH) (GQA). The new rows' K/V are already in the cache.
+    - Segment s's positions 0 .. kv_len_s - 1 live at slots kv_slots[kv_indptr[s] :
+      kv_indptr[s + 1]] (any slots; kv_len_s >= n_s). The first kv_len_s - n_s positions are its
+      committed prefix, seen by all its rows; the last n_s are its new rows, row i sees new row j
+      iff tree_mask[mask_indptr[s] + i * n_s + j] (diagonal included; a chain is lower-triangular).
+    - scale: softmax scale. Output o: [T, H, D] in q's dtype, accumulated in float32."""
 
     name: str  # "torch" | "torch-exact" | "triton" | "flash-attn"
     attend: Callable[..., torch.Tensor]
@@ -72,8 +75,15 @@ class PlannedAttend:
 # selection
 def select_attention_backend(device: torch.device | str, prefer: str = "auto",
                              exact: bool = False) -> AttentionBackend:
-    """The backend for `device` (see the module table); ValueError if `prefer` is unknown or
-    cannot run there. `exact`: rows independent of the rows beside them (the torch backend's
+    """The backend for `device`; ValueError if `prefer` is unknown or cannot run there.
+
+    | device | prefer="auto"                         | also allowed                                 |
+    | ------ | ------------------------------------- | -------------------------------------------- |
+    | cuda   | flash-attn if importable, else triton | torch, triton, flash-attn (if importable)    |
+    | cpu    | torch (SDPA per segment)              | triton only under TRITON_INTERPRET=1 (tests) |
+
+    "flash-attn": the prefix part through flash_attn_varlen_func, the tree part through our
+    Triton kernel, merged exactly (`tree_attention_flash`). `exact`: rows independent of the rows beside them (the torch backend's
     float64 padded path, `tree_attention_exact`, on any device). Logs the choice at INFO."""
     device = torch.device(device)
     if prefer not in PREFERENCES:
@@ -183,7 +193,10 @@ def _prefix_plan(meta: TreeBatch, device: torch.device) -> _PrefixPlan:
 def tree_attention_flash(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_slots, tree_mask,
                          mask_indptr, scale: float, meta: TreeBatch | None = None
                          ) -> torch.Tensor:
-    """Tree attention = merge(prefix part by flash-attn, tree part by our Triton kernel).
+    """Tree attention = merge(prefix part by flash-attn, tree part by our Triton kernel): K/V
+    gathered per segment for flash_attn_varlen_func (its natural-log LSE from
+    return_attn_probs=True), the tree part restricted to the new rows, merged exactly with
+    merge_states_triton.
 
     Assumes flash-attn >= 2.4 (varlen softmax_lse is [H, total_q], natural log, and with
     dropout_p = 0 return_attn_probs=True returns (out, lse, None)), fp16/bf16 inputs (fp32 falls

@@ -1,19 +1,10 @@
 """KV compaction: accepting a tree path moves its rows to the end of the committed prefix.
 
-After the verifier walks a request's tree (services/verifier/kv.py: KVStore.commit), the rows
-of the root and the accepted nodes, written at positions base + keep[i], must sit at positions
-base + i. The store turns that into slot pairs (src[i] -> dst[i]) and calls the backend's
-`compact` once per request, for ALL layers (k_cache, v_cache: [L, num_slots, KVH, D]).
-
-Semantics: the pairs are processed IN ORDER, as if `for i: cache[:, dst[i]] = cache[:, src[i]]`.
-In position terms our pairs have dst[i] <= src[i], both ascending, so a later pair can write a
-row an earlier pair reads: keep = [0, 2, 3] gives moves 2 -> 1 and 3 -> 2, and slot(2) is the
-source of the first and the destination of the second. A naive parallel copy (one thread per
-pair) may store row 3 into slot(2) before the first pair loaded it, and position 1 then holds
-row 3's K/V. Reading in order (or gathering all sources before any write, which is equivalent
-here since no pair reads a row an earlier pair wrote) is correct. The Triton kernel therefore
-loops over the pairs in order inside each program and parallelizes over layers and the
-KVH * D elements of a row, which no two programs share.
+After the tree walk (services/verifier/kv.py: KVStore.commit) the rows of the root and the
+accepted nodes, at positions base + keep[i], must sit at base + i. The store turns that into
+slot pairs (src[i] -> dst[i]) and calls the backend's `compact` once per request, for ALL layers
+(k_cache, v_cache: [L, num_slots, KVH, D]). Semantics: the pairs are processed IN ORDER, as if
+`for i: cache[:, dst[i]] = cache[:, src[i]]` (why it matters: `compact_kv_triton`).
 """
 from __future__ import annotations
 
@@ -50,8 +41,13 @@ def compact_kv_torch(k_cache: torch.Tensor, v_cache: torch.Tensor, src_slots: to
 
 def compact_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, src_slots: torch.Tensor,
                       dst_slots: torch.Tensor) -> None:
-    """In place, in-order semantics (see the module docstring); one launch over (layer, slice of
-    the KVH * D row)."""
+    """In place, in-order semantics (module docstring); one launch over (layer, slice of the
+    KVH * D row). In positions dst[i] <= src[i], both ascending, so a later pair can write a row
+    an earlier pair reads: keep = [0, 2, 3] gives moves 2 -> 1 and 3 -> 2, slot(2) the source of
+    the first and the destination of the second. A parallel copy (one thread per pair) may store
+    row 3 into slot(2) before the first pair loaded it; the kernel therefore loops over the pairs
+    in order inside each program and parallelizes over layers and a row's KVH * D elements,
+    which no two programs share."""
     from specmesh_kernels import triton_kernels as tk  # lazy: the CPU serving path never imports triton
 
     _check(k_cache, v_cache, src_slots, dst_slots)

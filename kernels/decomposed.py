@@ -1,28 +1,14 @@
 """Decomposed (split-KV) tree attention: SPIN's request decomposition, merged by log-sum-exp.
 
-SPIN (section V.A "Fast Batch Verification", eq. 13) cuts long requests' KV into pieces that
-line up with short requests, replicating the query rows per piece (its figure 9), and keeps
-attention exact by normalizing each row over ALL keys of its request. We
-compute that normalization the flashinfer way (cascade `merge_state`): every piece yields a
-partial output v and the log-sum-exp s of its scores, and pieces are merged exactly:
+SPIN (section V.A, eq. 13) cuts long requests' KV into pieces and keeps attention exact by
+normalizing each row over ALL keys of its request. Every piece here yields a partial output v
+and the NATURAL-log log-sum-exp s of its scaled scores (as flash_attn's softmax_lse; s = -inf,
+v = 0 where a row sees no key), merged exactly the flashinfer way (cascade `merge_state`):
 
     s = log(exp(s_a) + exp(s_b)),   v = exp(s_a - s) * v_a + exp(s_b - s) * v_b
 
-Convention: s is the NATURAL-log log-sum-exp of the scaled scores (scale * q.k), like
-flash_attn's softmax_lse; flashinfer stores base 2 (multiply by log2(e) to convert). A piece
-where a row sees no key (only possible inside the tree part) has s = -inf and v = 0 and
-contributes nothing.
-
-Deviation from SPIN: SPIN pads every piece to one KV length L and searches L (and the batch
-width B) to minimize padding, because its pieces are rows of one dense, padded tensor. Our
-kernel reads K/V through slot lists and loops over each item's own range, so pieces need no
-common length: each segment's KV is split into chunks of at most `chunk_size` positions
-(balanced: ceil(kv_len / chunk_size) chunks of near-equal size), no KV padding, no search.
-Every (segment, chunk) is one work item of a single launch that loads the segment's query rows
-again (SPIN's Q replication), so a 2000-position request becomes several items the size of a
-short one's and they balance across the GPU. The only padding left is in the merge: partial
-states are stored [T, C, H, D] with C = the most chunks of any segment; a row's missing chunks
-are (v = 0, s = -inf) and cost one multiply-add each.
+Deviation from SPIN: no common padded piece length and no search for it; each segment's KV is
+cut into balanced chunks of at most `chunk_size` positions (docs/decisions/cuda-split-kv.md).
 """
 from __future__ import annotations
 

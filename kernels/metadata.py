@@ -6,7 +6,7 @@ and kernel work tables costs host syncs and small allocations, so it is done onc
 reused by every layer: `tree_attention_torch`, `tree_attention_triton` and the decomposed
 kernels all accept `meta=TreeBatch.build(...)`; without it they build one per call.
 
-Layout (see kernels/__init__.py): segment s owns query rows qo[s]:qo[s + 1] (n_s rows) and KV
+Layout (backend.AttentionBackend): segment s owns query rows qo[s]:qo[s + 1] (n_s rows) and KV
 positions 0 .. kv_len_s - 1 at slots kv_slots[kv[s]:kv[s + 1]]; the first kv_len_s - n_s are
 its committed prefix (always visible), the last n_s its new rows (visible under the tree mask).
 """

@@ -1,18 +1,15 @@
 """Tree attention over a packed, ragged batch: reference, CPU serving path, Triton kernel.
 
 The verifier's packed forward (services/verifier/packed.py) calls one of these once per layer,
-after writing the new rows' K/V into the cache. Each segment's query rows attend the segment's
-committed prefix (all of it) and its own new rows (under the tree mask), read from the cache
-through the segment's slot list. Layout: see kernels/__init__.py.
-
+after writing the new rows' K/V into the cache: each segment's query rows attend its committed
+prefix (all of it) and its own new rows (under the tree mask), read through its slot list.
+Layout: backend.AttentionBackend.
 - `tree_attention_ref`: float32, explicit scores / mask / softmax per segment (the oracle).
-- `tree_attention_torch`: the CPU serving path: one-row segments (plain decoding steps) as one
-  padded batch of float32 matmuls, the others (trees, prefill chunks) by SDPA per segment in
-  the input dtype.
-- `tree_attention_triton`: one launch of kernels/triton_kernels.py:tree_attn_kernel over
-  (segment q-block, KV head) work items; triton is imported on first call only.
-All three return o: [T, H, D] in q's dtype; the fast two accept `meta=TreeBatch.build(...)`
-built once per forward.
+- `tree_attention_torch`: the CPU serving path: one-row segments as one padded batch of float32
+  matmuls, the others by SDPA per segment (docs/decisions/cpu-tree-attention.md).
+- `tree_attention_triton`: one launch of triton_kernels.tree_attn_kernel over (segment q-block,
+  KV head) work items; triton is imported on first call only.
+All three return o: [T, H, D] in q's dtype; the fast two accept `meta=TreeBatch.build(...)`.
 """
 from __future__ import annotations
 

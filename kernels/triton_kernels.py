@@ -1,22 +1,14 @@
 """The Triton kernels of the package (imported lazily: importing this module imports triton).
 
-- `tree_attn_kernel`: attention of a block of query rows of one segment over a KV range
-  [kv_lo, kv_hi) of that segment, with an online softmax over KV blocks (the scheme of Triton's
-  tutorial 06-fused-attention). K/V rows are gathered through the segment's slot list. Blocks
-  wholly inside the committed prefix need no mask; the rest check bounds and the tree mask.
-  The same kernel serves the monolithic tree attention (one range = the whole segment, output in
-  q's dtype) and the decomposed attention (one range = one chunk, float32 partial output plus
-  its log-sum-exp).
+- `tree_attn_kernel`: a block of one segment's query rows over a KV range of that segment, online
+  softmax over KV blocks (Triton's tutorial 06-fused-attention), K/V gathered through the slot
+  list; one range = the whole segment (tree attention) or one chunk (decomposed attention).
 - `merge_states_kernel`: exact merge of C partial states per (row, head) through their LSEs.
 - `compact_kernel`: KV compaction, pairs copied in order inside each program.
-
-Work items are rows of an int32 table (`ITEM_COLS` columns, built by the wrappers); the grid is
-(work items, KV heads). The query heads sharing one KV head (GQA group) are packed as rows of the
-same tile (row r = query row r // GROUP, head r % GROUP), so K/V are loaded once per group and
-the interpreter runs few, large programs.
-
-Softmax runs in base 2 (scores pre-multiplied by scale * log2(e)); the LSE written out is
-converted to natural log (see kernels/decomposed.py for the convention).
+Work items are rows of an int32 table (`ITEM_COLS`); the grid is (work items, KV heads), a GQA
+group's query heads packed as rows of one tile (K/V loaded once per group). Softmax runs in base
+2; the LSE written out is natural log (decomposed.py). Without a GPU they run under
+TRITON_INTERPRET=1, set before importing triton.
 """
 from __future__ import annotations
 

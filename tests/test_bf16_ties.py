@@ -27,7 +27,7 @@ from specmesh_services.common.sampling import SamplingParams
 from specmesh_services.common.tree import TokenTree
 from specmesh_services.verifier.engine import EngineLimits, VerifierEngine
 from specmesh_services.verifier.server import load_target
-from specmesh_kernels.linear import int4_supports
+from specmesh_kernels.int4 import int4_supports
 from specmesh.v1 import pool_pb2
 
 PROMPTS = 10

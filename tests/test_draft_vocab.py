@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from specmesh_kernels.linear import Int4Linear, PackedLinear
+from specmesh_kernels.int4 import Int4Linear
+from specmesh_kernels.onednn import PackedLinear
 from specmesh_services.drafter.models import build_draft_models
 from specmesh_services.drafter.vocab import SubsetHead, frequent_tokens, restrict_vocab, token_counts
 from test_lossless_greedy import assert_lossless_with_drafts  # noqa: E402

@@ -73,7 +73,7 @@ def test_verifier_cache_after_partly_rejected_tree(target_lm, chat_prompt_ids):
 def draft(target_path, request):
     """A 20-layer draft of the target, run by transformers' forward and by the drafter's lean
     decoder loop (services/drafter/lean.py): every drafter test holds for both."""
-    from specmesh_kernels.linear import pack_linears
+    from specmesh_kernels.linear_rules import pack_linears
     from specmesh_services.common import models
     from specmesh_services.drafter.lean import LeanLM
 

@@ -16,7 +16,7 @@ from specmesh_services.verifier.engine import EngineLimits, VerifierEngine
 from specmesh_services.verifier.packed import Segment
 from specmesh_services.verifier.server import load_target
 from specmesh_kernels import tree_attention
-from specmesh_kernels.linear import Int4Linear, int4_supports
+from specmesh_kernels.int4 import Int4Linear, int4_supports
 
 FLOAT32_ATOL = 1e-4  # measured ~1e-5 on logits of magnitude ~20
 NATIVE_ATOL = 0.05  # int4: bf16 activations round differently after fused products (~1e-2)

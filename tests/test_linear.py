@@ -1,12 +1,14 @@
-"""kernels/linear.py: oneDNN-packed linear layers against torch's linear (the reference)."""
+"""kernels/onednn.py, fp16.py and linear_rules.pack_linears: packed linear layers against torch's
+linear (the reference)."""
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
 
-from specmesh_kernels.linear import (Fp16Linear, PackedLinear, fp16_row_blocks, fp16_supports,
-                                     fp16_weight_error, onednn_supports, pack_linears)
+from specmesh_kernels.fp16 import Fp16Linear, fp16_row_blocks, fp16_supports, fp16_weight_error
+from specmesh_kernels.linear_rules import pack_linears
+from specmesh_kernels.onednn import PackedLinear, onednn_supports
 from specmesh_services.common import models
 
 pytestmark = pytest.mark.skipif(onednn_supports(torch.float32) is not None,

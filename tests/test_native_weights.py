@@ -17,8 +17,9 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from specmesh_kernels.linear import (Int4Linear, RowStableLinear, exact_int4, int4_lattice,
-                                     int4_supports, native_rest, row_stable_supports)
+from specmesh_kernels.int4 import Int4Linear, exact_int4, int4_lattice, int4_supports
+from specmesh_kernels.linear_rules import native_rest
+from specmesh_kernels.row_stable import RowStableLinear, row_stable_supports
 from specmesh_services.common import models
 from specmesh_services.common.prompts import chat_ids
 from specmesh_services.verifier.server import served_weights

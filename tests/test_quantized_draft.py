@@ -1,5 +1,5 @@
-"""Draft models with quantized weights (`SPEC@int8`, `SPEC@int4`): kernels/linear.py's Int8Linear
-and Int4Linear against the float product, the spec grammar, and the mesh's output with a
+"""Draft models with quantized weights (`SPEC@int8`, `SPEC@int4`): kernels/int8.py's Int8Linear
+and int4.py's Int4Linear against the float product, the spec grammar, and the mesh's output with a
 quantized draft == the target's own greedy output (the draft only guesses; the float target
 decides every token)."""
 from __future__ import annotations
@@ -8,9 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-from specmesh_kernels.linear import (INT4_GROUP, Int4Linear, Int8Linear, PackedLinear, cpu_has,
-                            fp16_supports, int4_supports, int8_supports, onednn_supports,
-                            quantize_linears)
+from specmesh_kernels.cpu_probe import cpu_has
+from specmesh_kernels.fp16 import fp16_supports
+from specmesh_kernels.int4 import INT4_GROUP, Int4Linear, int4_supports
+from specmesh_kernels.int8 import Int8Linear, int8_supports
+from specmesh_kernels.linear_rules import quantize_linears
+from specmesh_kernels.onednn import PackedLinear, onednn_supports
 from specmesh_services.drafter.engine import DraftModel
 from specmesh_services.drafter.models import DraftSpec, build_draft_models
 from test_lossless_greedy import assert_lossless_with_drafts  # noqa: E402

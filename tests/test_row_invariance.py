@@ -18,7 +18,7 @@ from test_kernels import indptr, mask_from_parents, random_parents
 from test_lean_target import chain, tree
 from specmesh_kernels.backend import select_attention_backend
 from specmesh_kernels.tree_attention import tree_attention_exact
-from specmesh_kernels.linear import native_supports
+from specmesh_kernels.linear_rules import native_supports
 from specmesh_services.verifier.engine import EngineLimits, VerifierEngine
 from specmesh_services.verifier.server import load_target
 
@@ -103,7 +103,7 @@ def test_greedy_path_in_a_tree_equals_one_row_steps(served, base_settings, chat_
 def test_serving_defaults_equal_plain_decoding(base_settings, compute, questions):
     """The serving defaults (native target where it runs, the default model's datastore trees)
     with `verifier.exact` give exactly the output of plain decoding through the same mesh."""
-    from specmesh_services.embedded import EmbeddedMesh
+    from specmesh_services.launch.embedded import EmbeddedMesh
 
     served = base_settings.with_overrides(**{"dtype": "auto", "speculation.source": "auto",
                                              "speculation.tree_size": "fixed",

@@ -1,18 +1,12 @@
 """A causal LM run over a per-request KV cache, with token trees as inputs.
 
 Both the verifier (target) and the drafter (draft models) use it. `forward` appends rows to a
-request's cache: a plain causal chain (prefill, catch-up) or tree nodes with an explicit
-visibility mask, passed to the `transformers` model as a 4D additive attention mask with
-per-row position ids. `KVCache.keep` is the KV rollback: it gathers the accepted rows to the
-end of the committed prefix and drops everything after.
-
-`forward_many` runs several requests' new rows (each with its own cache) as ONE forward: the rows
-are concatenated into a `[1, T]` input, so the linear layers, MLPs and LM head run once over all
-of them (on a CPU with packed weights 8 rows cost ~1.7x one, kernels/linear.py), and attention
-is computed per request against its own cache by an attention function registered with
-transformers' `AttentionInterface` (`CACHES_ATTN`), which also appends the new K/V rows to each
-request's cache. The drafter batches its draft forwards this way (Minions 3.4 / SPIN V.B
-micro-batching of drafter work).
+request's cache: a causal chain (prefill, catch-up) or tree nodes with a visibility mask, passed
+to the `transformers` model as a 4D additive mask with per-row position ids. `KVCache.keep` is
+the KV rollback: the accepted rows gathered behind the committed prefix, the rest dropped.
+`forward_many` runs several requests' new rows as ONE `[1, T]` forward, attention per request
+against its own cache through transformers' `AttentionInterface` (`CACHES_ATTN`): how the
+drafter batches its draft forwards (Minions 3.4 / SPIN V.B; docs/drafters.md, Batched drafting).
 """
 from __future__ import annotations
 

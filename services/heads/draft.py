@@ -1,16 +1,14 @@
 """Grounded heads as a drafter: trees below a verified step's bonus token (Hydra 3.2, grounded
-tree candidates), built level by level, each head conditioned on the path drafted so far.
+tree candidates), built level by level, each head conditioned on the path drafted so far; run
+by the verifier right after its step (docs/decisions/heads-in-verifier.md).
 
-Level k runs head k on every frontier node of every request at once (one product per layer of
-the heads, one over the draft vocabulary's LM head rows): the node's path x_{t+1} (the bonus
-token) .. x_{t+k} after f_t. Each frontier node's WIDTH likeliest tokens become candidates
-scored by the product of the heads' probabilities along their path; the FRONTIER best of the
-level are its next frontier; a tree of n nodes needs at most n levels. The tree is the
-`max_nodes` best-scored candidates (a child never outscores its parent, so ancestors are kept),
-scores attached: the router's sizing prunes it further by them. Deviation from Hydra (a fixed tree shape, the Cartesian product of per-head
-top-k): a per-step shape from the heads' own scores, which the ProPD sizing needs.
-
-Lossless whatever the heads guess: the verifier checks every node.
+Level k runs head k on every frontier node of every request at once; each frontier node's WIDTH
+likeliest tokens become candidates scored by the product of the heads' probabilities along
+their path, the FRONTIER best the next frontier; the tree is the `max_nodes` best-scored
+candidates, scores attached for the router's sizing (docs/heads.md, Serving). Deviation from
+Hydra's fixed tree (the Cartesian product of per-head top-k): a per-step shape from the heads'
+own scores, which the ProPD sizing needs (docs/decisions/heads-training.md). Lossless whatever
+the heads guess: the verifier checks every node.
 """
 from __future__ import annotations
 
@@ -128,7 +126,9 @@ def served_products(up, down, lm_head: torch.Tensor, weights: str | None = "auto
     dtype. Returns (the products as a ModuleDict, activation dtype, weights' name)."""
     from torch import nn
 
-    from specmesh_kernels.linear import int4_supports, int8_supports, quantize_linears
+    from specmesh_kernels.int4 import int4_supports
+    from specmesh_kernels.int8 import int8_supports
+    from specmesh_kernels.linear_rules import quantize_linears
 
     target_dtype, device = lm_head.dtype, lm_head.device
     lm = nn.Linear(lm_head.shape[1], lm_head.shape[0], bias=False, device=device,

@@ -16,7 +16,8 @@ from specmesh_services.common.lm import CausalLM
 from specmesh_services.common.metrics import VerifierMetrics
 from specmesh_services.common.rpc import start_server
 from specmesh_kernels.backend import select_attention_backend
-from specmesh_kernels.linear import exact_int4, native_supports
+from specmesh_kernels.int4 import exact_int4
+from specmesh_kernels.linear_rules import native_supports
 from specmesh_services.verifier.engine import EngineLimits, VerifierEngine
 from specmesh_services.verifier.servicer import SERVICE_NAME, VerifierServicer
 from specmesh_services.verifier.worker import VerifierWorker, default_name
