@@ -5,20 +5,73 @@ every step's decision is returned in the request's stats."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 
-from specmesh_services.embedded import EmbeddedMesh
+from specmesh_services.router import engine
+from specmesh_services.router.selection import LBSSSelection
+from specmesh_services.router.sizing import StepChoice, TreeSizing
+from specmesh_services.launch.embedded import EmbeddedMesh
 from test_lossless_greedy import assert_target_tokens  # noqa: E402  (tests/ is on the path)
 
 NUM_QUESTIONS = 20
 CONCURRENCY = 4
 MAX_TOKENS = 32  # a prefix of the 64-token references keeps the suite short
+FIRST_BUDGETS = (2, 5, 12)  # what the first steps of the requests on an arm draft, in turn
+
+
+class EveryArmFirst(LBSSSelection):
+    """LBSS, except that each request's first asks go to every arm in turn (request i starting
+    at arm i): every arm is used whatever the host's timing makes of the bandit's estimates."""
+
+    def __init__(self, arms, slot_s, **kw) -> None:
+        super().__init__(arms, slot_s)
+        self.asks: dict[str, int] = {}  # request -> its asks so far
+        self.starts: dict[str, int] = {}  # request -> the arm its turns start at
+
+    def arm_for(self, request_id, live, idle=None, contexts=None):
+        chosen = super().arm_for(request_id, live, idle, contexts)
+        start = self.starts.setdefault(request_id, len(self.starts))
+        ask = self.asks[request_id] = self.asks.get(request_id, -1) + 1
+        # one ask more than there are arms: the first is the drafter warmed before step 1
+        return self.names[(start + ask) % len(self.names)] if ask <= len(self.names) else chosen
+
+
+class FirstStepDrafts:
+    """An arm's strategy, except that a request's first step on the arm drafts (budgets from
+    `FIRST_BUDGETS` in turn, within the arm's limit): every source's trees are verified
+    whatever the host's timing makes of the costs. The adaptive strategy decides the rest."""
+
+    def __init__(self, strategy, max_nodes: int) -> None:
+        self.strategy = strategy
+        self.budgets = itertools.cycle([min(b, max_nodes) for b in FIRST_BUDGETS])
+
+    def __getattr__(self, name):
+        return getattr(self.strategy, name)
+
+    def choose(self, inputs) -> StepChoice:
+        if inputs.choices > 1 or not self.strategy.max_nodes:
+            return self.strategy.choose(inputs)
+        budget = next(self.budgets)
+        return StepChoice(budget, inputs.profile.expected_tokens(budget)[-1], probe=True)
+
+
+class FirstStepsSized(TreeSizing):
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.strategy = FirstStepDrafts(self.strategy, self.max_nodes)
 
 
 def test_lossless_with_every_mechanism_on(base_settings, small_datastore, questions,
-                                          hf_greedy_reference, compute):
+                                          hf_greedy_reference, compute, monkeypatch):
     """Adaptive tree size + LBSS over four arms (the datastore, two layer-truncated drafts, and
     the majority vote of all three) with short slots, so requests switch drafters (and prefill
-    where they land) mid-answer; micro-batched drafting and back-pressure (on by default)."""
+    where they land) mid-answer; micro-batched drafting and back-pressure (on by default). What
+    timing would decide is scripted: each request's first steps visit every arm
+    (`EveryArmFirst`) and its first step on an arm drafts (`FirstStepDrafts`); LBSS and the
+    adaptive sizing choose the rest."""
+    monkeypatch.setattr(engine, "make_selection",
+                        lambda kind, arms, slot_s, **kw: EveryArmFirst(arms, slot_s))
+    monkeypatch.setattr(engine, "TreeSizing", FirstStepsSized)
     settings = base_settings.with_overrides(drafters=["layers:6", "layers:16"], **{
         "speculation.source": "both", "speculation.depth": 4, "speculation.max_nodes": 12,
         "speculation.tree_size": "adaptive", "speculation.probe_every": 4,
@@ -56,14 +109,11 @@ def test_lossless_with_every_mechanism_on(base_settings, small_datastore, questi
             budgets.add(d.budget)
             lookups += d.arm in ("datastore", "vote") and d.budget > 0
         assert stats.mean_expected_length >= 1.0
-    assert len(budgets) > 2, f"the budget adapts: {sorted(budgets)}"
+    assert len(budgets) > 2, f"trees of several sizes: {sorted(budgets)}"
+    # every arm was chosen, both draft models' trees were verified and the lookup service was
+    # asked for trees (the scripted first steps; later ones are the sizing's)
     assert arms == {"datastore", "smollm2-135m:layers=6", "smollm2-135m:layers=16", "vote"}, arms
-    # every arm was chosen, a draft model's trees were verified and the lookup service was asked
-    # for trees. Whether an arm's trees reach the verifier depends on the host's speed: once an
-    # arm's trees stop paying its sizing keeps it to plain steps (the 16-layer draft on a slow
-    # host; the datastore, whose small test corpus matches little). Each source's trees are
-    # verified on their own in test_lossless_greedy.py and test_datastore_service.py.
-    assert drafters & {"smollm2-135m:layers=6", "smollm2-135m:layers=16"}, drafters
+    assert {"smollm2-135m:layers=6", "smollm2-135m:layers=16"} <= drafters, drafters
     assert lookups > 0, "the datastore drafted"
     drafted = sum(o.stats.draft_tokens for o in outputs)
     accepted = sum(o.stats.accepted_tokens for o in outputs)

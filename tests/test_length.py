@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from specmesh_services.router.length import LengthConfig, SpeculationLengthSelector, slope
+from specmesh_services.router.sizing.length import LengthConfig, SpeculationLengthSelector, slope
 
 # A synthetic step: each drafted token accepted with probability A given the previous ones
 # were, verify time convex in s. Expected tokens per step (bonus included) =

@@ -1,14 +1,16 @@
-"""The router's speculation policy (policy.py): fixed sizing, the adaptive choice over measured
-step times and a per-request acceptance profile (ProPD 4.2 wired), its bootstrap, probing,
-"off", and the per-step records. Plain objects, no mesh."""
+"""The router's tree sizing (router/sizing/: `TreeSizing`, `RequestSizing` and the strategies):
+fixed sizing, the adaptive choice over measured step times and a per-request acceptance profile
+(ProPD 4.2 wired), its bootstrap, probing, "off", and the per-step records. Plain objects, no
+mesh."""
 from __future__ import annotations
 
 import pytest
 
 from specmesh_services.common.tree import TokenTree
-from specmesh_services.router.policy import TreeSizing
-from specmesh_services.router.steps import BatchShare, PassTimes, StepChoice, VerifyStep, bucket_of
-from specmesh_services.router.tree_size import AcceptanceProfile, LinearCost, best_size
+from specmesh_services.router.sizing import (BatchShare, PassTimes, StepChoice, TreeSizing,
+                                             VerifyStep, bucket_of)
+from specmesh_services.router.sizing.acceptance import AcceptanceProfile, best_size
+from specmesh_services.router.sizing.cost import LinearCost
 
 
 def feed(sizing: TreeSizing, cost: LinearCost, sizes=(0, 4, 8, 16), bucket: int = 1) -> None:

@@ -3,6 +3,7 @@ sources, stop conditions, voting and tree sizing, in milliseconds (no model, no 
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 
@@ -170,10 +171,14 @@ def test_the_heuristic_splits_by_the_measured_pass_cost_where_drafting_runs_besi
 
 def test_the_selection_charges_a_move_the_drafters_prefill_of_the_whole_context():
     """SPIN eq. 6: LBSS weighs a switch by the destination's measured prefill seconds per token
-    times the request's context, prompt and generated tokens."""
-    mesh = Mesh(speculation(selection="lbss", source="model", slot_s=0.001),
+    times the request's context, prompt and generated tokens. Every ask starts a new slot (a
+    scripted clock, one slot per ask), so every step is planned again."""
+    mesh = Mesh(speculation(selection="lbss", source="model", slot_s=1.0),
                 drafter_names=["a", "b"], drafter_prefill={"a": 0.002, "b": 0.03})
-    lbss = mesh.router.selection.lbss
+    ticks = itertools.count(1)
+    selection = mesh.router.selection
+    selection._clock, selection._slot_started = lambda: float(next(ticks)), 0.0
+    lbss = selection.lbss
     assert [(d.name, d.switch_cost_per_token_s) for d in lbss.drafters] == [("a", 0.002),
                                                                             ("b", 0.03)]
     seen = []

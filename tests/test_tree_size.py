@@ -1,12 +1,15 @@
-"""Dynamic tree size (ProPD 4.2): cost fit, acceptance EMAs, greedy trees vs brute force,
-the chosen size vs the brute-force optimum, and speculation off when it cannot pay."""
+"""Dynamic tree size (ProPD 4.2; router/sizing/cost.py, acceptance.py): cost fit, acceptance
+EMAs, greedy trees vs brute force, the adaptive choice vs the brute-force optimum, and
+speculation off when it cannot pay."""
 import itertools
 
 import pytest
 
 from specmesh_services.common.tree import TokenTree
-from specmesh_services.router.tree_size import (AcceptanceProfile, LinearCost, StepTimeModel,
-                                       TreeSizeConfig, TreeSizeSelector, best_size)
+from specmesh_services.router.sizing import RequestSizing, StepChoice, TreeSizing
+from specmesh_services.router.sizing.acceptance import AcceptanceProfile, best_size
+from specmesh_services.router.sizing.cost import LinearCost, StepTimeModel
+from specmesh_services.router.sizing.request import SizingConfig
 
 # per-depth, per-rank acceptance probabilities p[d-1][k-1] for the hand/brute-force checks
 P = [[0.7, 0.15], [0.6, 0.15], [0.5, 0.1]]
@@ -38,6 +41,16 @@ def brute_force_expected(p) -> list[float]:
         if all(slots[i][0] < 0 or mask >> slots[i][0] & 1 for i in chosen):
             best[len(chosen)] = max(best[len(chosen)], sum(value[i] for i in chosen))
     return [1.0 + b for b in best]
+
+
+def adaptive(max_nodes: int, max_depth: int, profile: AcceptanceProfile,
+             **config) -> tuple[TreeSizing, RequestSizing]:
+    """An adaptive arm without probes and a request of it whose acceptance profile is
+    `profile`."""
+    sizing = TreeSizing(max_nodes, max_depth, probe_every=0, config=SizingConfig(**config))
+    request = sizing.for_request()
+    request.profile = profile
+    return sizing, request
 
 
 def test_figure6_expected_length():
@@ -76,22 +89,28 @@ def test_picks_the_brute_force_optimum_for_a_linear_cost():
     # by hand: the best trees grow along the rank-1 chain .7, .7*.6, .7*.6*.5, then .15, ...
     # E/T for n = 2, 3, 4: 2.12/1.2 = 1.767, 2.33/1.3 = 1.792, 2.48/1.4 = 1.771
     assert optimum == 3 and expected[3] == pytest.approx(1 + 0.7 + 0.42 + 0.21)
-    cfg = TreeSizeConfig(max_size=14, max_depth=3, max_rank=2)
-    selector = TreeSizeSelector(cfg)
-    selector.profile = AcceptanceProfile.from_probabilities(P)
+    sizing, request = adaptive(14, 3, AcceptanceProfile.from_probabilities(P), max_rank=2)
+    model = sizing.time_model(1)
     # the cost is learned from exact measurements at a few sizes, not handed over
     for _ in range(3):
         for n in (0, 3, 6, 12):
-            selector.observe_step(n, cost(n))
-    fit = selector.time_model.fit()
+            model.observe(n, cost(n))
+    fit = model.fit()
     assert (fit.b0, fit.b1) == (pytest.approx(1.0), pytest.approx(0.1))
-    assert selector.choose(batch=1, context=100) == optimum
-    assert selector.last_choice.expected_tokens == pytest.approx(expected[optimum])
-    assert selector.last_choice.tokens_per_second == pytest.approx(max(speeds))
+    choice = request.choose(1)
+    assert choice.budget == optimum
+    assert choice.expected_length == pytest.approx(expected[optimum])
+    best = best_size(request.profile.expected_tokens(14), model.curve())
+    assert best.size == optimum and best.expected_tokens == pytest.approx(expected[optimum])
+    assert best.tokens_per_second == pytest.approx(max(speeds))
     # a cheaper node moves the optimum up, to what brute force says
     cheap = LinearCost(1.0, 0.01)
     want = max(range(15), key=lambda n: expected[n] / cheap(n))
-    assert want > optimum and selector.choose(1, 100, cost=cheap) == want
+    assert want > optimum and best_size(expected, cheap).size == want
+    sizing, request = adaptive(14, 3, AcceptanceProfile.from_probabilities(P), max_rank=2)
+    for n in (0, 3, 6, 12):
+        sizing.time_model(1).observe(n, cheap(n))
+    assert request.choose(1).budget == want
 
 
 def test_speculation_off_when_it_cannot_pay():
@@ -99,21 +118,27 @@ def test_speculation_off_when_it_cannot_pay():
     steep = LinearCost(1.0, 0.5)
     expected = brute_force_expected(low)
     assert all(expected[n] / steep(n) <= 1 / steep(0) for n in range(1, 15))
-    selector = TreeSizeSelector(TreeSizeConfig(max_size=14, max_depth=3, max_rank=2))
-    selector.profile = AcceptanceProfile.from_probabilities(low)
-    assert selector.choose(batch=8, context=500, cost=steep) == 0
-    assert selector.last_choice.expected_tokens == 1.0
+    off = best_size(expected, steep)
+    assert off.size == 0 and off.expected_tokens == 1.0
+    # eight in flight (no batched pass times: the step time of their bucket)
+    sizing, request = adaptive(14, 3, AcceptanceProfile.from_probabilities(low), max_rank=2)
+    for n in (0, 4, 8, 14):
+        sizing.time_model(8).observe(n, steep(n))
+    assert request.choose(8) == StepChoice(0, 1.0)
     # exactly break-even is still off: n must beat plain decoding
     assert best_size([1.0, 1.5], LinearCost(1.0, 0.5)).size == 0
     assert best_size([1.0, 1.5001], LinearCost(1.0, 0.5)).size == 1
 
 
-def test_no_fit_keeps_the_default_size():
-    selector = TreeSizeSelector(TreeSizeConfig(default_size=5))
-    selector.observe_step(5, 0.1)
-    selector.observe_step(5, 0.1)  # one size only: no line
-    assert selector.time_model.fit() is None
-    assert selector.choose(1, 10) == 5
+def test_no_fit_drafts_the_default_size_then_measures_plain():
+    """Before the time model has a line the choice is the bootstrap's: the default size, then
+    (one size measured, still no line) a plain step for the second point."""
+    sizing, request = adaptive(16, 8, AcceptanceProfile(), default_size=5)
+    assert request.choose(1).budget == 5
+    sizing.time_model(1).observe(5, 0.1)
+    sizing.time_model(1).observe(5, 0.1)  # one size only: no line
+    assert sizing.time_model(1).fit() is None and sizing.time_model(1).curve() is None
+    assert request.choose(1) == StepChoice(0, 1.0, probe=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,17 +197,16 @@ def test_curve_takes_measured_sizes_as_measured():
 def test_the_choice_finds_the_cheap_side_of_a_step():
     """Chain acceptance 0.8 per level: under the staircase the best size is 5 (the most nodes
     in one block of rows); the line through the measured sizes prices 5 above what it costs
-    and chooses 4. The selector with `curve` chooses 5."""
+    and chooses 4. The adaptive choice, over `curve`, chooses 5."""
     chain = AcceptanceProfile.from_probabilities([[0.8]] * 8)
     curve = chain.expected_tokens(8)
     exact = best_size(curve, staircase).size
     assert exact == 5
-    selector = TreeSizeSelector(TreeSizeConfig(max_size=8, max_depth=8, time_alpha=1.0))
-    selector.profile = chain
+    sizing, request = adaptive(8, 8, chain, time_alpha=1.0)
     for n in (0, 2, 4, 5, 8, 11):
-        selector.observe_step(n, staircase(n))
-    assert best_size(curve, selector.time_model.fit()).size == 4
-    assert selector.choose(1, 100) == exact
+        sizing.time_model(1).observe(n, staircase(n))
+    assert best_size(curve, sizing.time_model(1).fit()).size == 4
+    assert request.choose(1).budget == exact
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,17 +288,16 @@ def test_prune_keeps_the_most_valuable_nodes():
 
 # ---------------------------------------------------------------------------------------------
 # when to recompute
-def test_should_recompute_on_batch_or_context_change():
-    selector = TreeSizeSelector(TreeSizeConfig(context_tolerance=0.25))
-    assert selector.should_recompute(4, 1000)
-    selector.choose(4, 1000, cost=LinearCost(1.0, 0.05))
-    assert not selector.should_recompute(4, 1000)
-    assert not selector.should_recompute(4, 1250)
-    assert selector.should_recompute(4, 1251)
-    assert selector.should_recompute(8, 1000)
-    size = selector.size
-    assert selector.update(4, 1100) == size  # no recompute: same answer, condition unchanged
-    assert selector.should_recompute(4, 1251)
+def test_the_choice_is_recomputed_every_step():
+    """ProPD recomputes the size when the batch size or the context length changed; the router
+    recomputes it every step (docs/decisions/adaptive-tree-size.md): with the same batch, a
+    request whose profile moved gets the new choice at once."""
+    sizing, request = adaptive(14, 3, AcceptanceProfile.from_probabilities(P), max_rank=2)
+    for n in (0, 4, 8, 12):
+        sizing.time_model(4).observe(n, LinearCost(1.0, 0.05)(n))
+    assert request.choose(4).budget > 0
+    request.profile = AcceptanceProfile.from_probabilities([[0.01, 0.0]] * 3)
+    assert request.choose(4) == StepChoice(0, 1.0)
 
 
 def test_exhaustive_small_check_of_best_size():

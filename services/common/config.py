@@ -241,9 +241,8 @@ class Settings(BaseSettings):
                             "their codes and run through torch's CPU int4 kernel, the others "
                             "(6- and 8-bit blocks) in bf16, activations in float32; auto = "
                             "native where dtype is auto, most linear weights are 4-bit and "
-                            "the model's registry entry does not prefer float with speculation "
-                            "on (SmolLM2: native; Qwen2.5-Coder-1.5B: float, its draft's chains "
-                            "pay only there; native with speculation off), else float. "
+                            "the model's registry entry does not prefer float weights while "
+                            "speculating (docs/decisions/target-weights.md), else float. "
                             "Lossless relative to the weights as served")
     drafters: Annotated[list[str], NoDecode] = Field(
         default_factory=list,

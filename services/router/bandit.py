@@ -1,86 +1,21 @@
-"""Learning-based SSM selection (LBSS) of SPIN: which drafter serves which request.
-
-SPIN (section IV: heterogeneous drafters, bandit selection) treats the choice of a drafter
-("SSM": a layer-truncated target, a small model, the lookup datastore) per request as a
-multi-armed bandit whose reward is *goodput*: target-accepted tokens per second the
-request gets from that drafter. Time is cut into slots, slots into epochs k = 1, 2, ...
-(Algorithm 1, Fig. 8):
-
-- exploration, `alpha` slots (Algorithm 2): the slots are grouped into alpha / beta chunks of
-  `beta` slots; at the start of a chunk every request draws a drafter uniformly at random and
-  keeps it for the whole chunk; a drafter drawn by more requests than it can batch (B_j) keeps a
-  random B_j of them and drops the others;
-- exploitation, 2^k slots: the estimated goodputs g~[i, j] (means of the observed r_ij) define
-  problem (10), a maximum-weight matching of requests to drafters where drafter j is expanded
-  into B_j columns, solved by Kuhn-Munkres (`scipy.optimize.linear_sum_assignment`); the
-  matching is kept for the whole stage.
-
-Fast SSM switching (section IV-C): moving a request to another drafter means prefilling its
-context there. `likely_destination` names where a request goes at the next change of plan (the
-next chunk's random draw, drawn in advance, or the matching the next exploitation would make)
-so the caller can prefill there during the drafter's idle time.
-
-Where it sits: the router's selection (selection.py, `lbss`) calls `assign` once per slot with
-its live requests, `observe` with each verification result (accepted tokens, seconds),
-`next_slot` at the end of the slot. Plain Python + numpy + scipy: no gRPC, no Redis, no torch.
-
-    lbss = LBSS([DrafterSpec("layers-8", replicas=2, capacity=4), DrafterSpec("lookup", 1, 16)])
-    while requests:
-        placement = lbss.assign(ids)            # {id: Placement(drafter, replica) | None}
-        ...                                     # draft on placement[id], verify
-        lbss.observe(id, placement[id].drafter, accepted_tokens, seconds)
-        lbss.next_slot()
-
-Deviations from the paper (each marked `deviation:` where it is coded; the measurements behind
-4, 5, 8, 9 and 10: docs/decisions/drafter-selection.md):
-1. Replicas: the paper's "B_j replicas of SSM j" are batch slots; here a drafter has `replicas`
-   instances each batching `capacity` requests (B_j = replicas * capacity). Goodput is learnt
-   per drafter, placement is per instance, and moving between instances is a switch too.
-2. Dropped requests in exploration are re-placed at random on a drafter with room
-   (`refill=True`); `refill=False` drops them for the chunk, as Algorithm 2 line 9.
-3. The exploitation matching charges the switching cost (the paper's (10) ignores it; its regret
-   (6) counts lambda * z_i(t)): a switch is worth g~ * (1 - lambda * c_ij / H) over the stage's
-   H seconds. `switch_weight=0` is exactly (10).
-4. Estimates average every observation, exploitation ones included (Algorithm 2 averages the
-   exploration ones); an unobserved (request, drafter) pair gets the drafter's mean over all
-   requests (the paper leaves it undefined), and that mean also counts as `prior_weight`
-   observations of every pair: one step's goodput varies several-fold (a 1-token step against
-   an 8-token one), and matched on its raw mean one lucky step held a request on a poor
-   drafter. `prior_weight=0` is the raw mean.
-5. Requests come and go (the paper's set N is fixed): one arriving mid-chunk / mid-stage is placed
-   in the free capacity (random draw / matching on the free columns); the others keep theirs.
-   A placement the matching made on a drafter the request had never been observed on (its
-   estimate there was the drafter's pooled mean, 4.) is provisional: the request is matched
-   again at the next slot, on what that slot taught, until it is placed on a drafter it has
-   been observed on. Algorithm 1 explores only at the start of each epoch and its
-   exploitation stages double in length, so with requests of a few dozen steps most of them
-   arrive inside a stage, and a whole stage on a pooled mean can be a request's whole life.
-6. More requests than total capacity: the overflow gets `None` (no drafter: plain decoding, the
-   verifier's bonus token only); the paper's constraint (5) assumes every request gets an SSM.
-7. In exploitation the predicted destination is the matching the stage would solve now, not the
-   paper's argmax_j g~[i, j] (the two differ only when a capacity binds).
-8. Exploration does not draw a drafter on which the request is known to decode plainly
-   (`assign(..., idle=)`: the caller's tree-size policy has measured that no tree from that
-   drafter pays for this request now). Such a slot would be a plain step whatever the drafter,
-   so it teaches the bandit only the plain rate, at the plain rate (with one request in
-   flight such slots were a third of a request's life). If every drafter is idle for a
-   request the draw is uniform, as the paper's. Idle drafters still get exploitation (the
-   matching) and their tree-size policy keeps probing, so a drafter that starts paying is
-   found again.
-9. Exploration does not draw a drafter that has never paid on any request: once it has served
-   `retire_after` requests (finished ones and live ones, each with its own mean goodput on
-   it) and even the best of those means is below the pooled mean goodput of the drafter with
-   the best pooled mean, it is left out of the draws (as idle drafters are, 8.). SPIN's
-   requests live for the whole run and explore every drafter at leisure; ours come and go
-   and a short request spends a large share of its life in exploration chunks, much of it on
-   a drafter that never pays. Per-request heterogeneity is kept (the datastore, best on some
-   chat requests and worse on average, stays drawn), and a retired drafter can still win a
-   request in the exploitation matching on that request's own observations. `retire_after=0`
-   turns this off.
-10. Goodput estimates are ratios of sums, accepted tokens over seconds, not means of per-slot
-   ratios. SPIN's slots have one length, where the two agree; ours are steps of the request,
-   whose length follows the tree (a confidence-stopped chain alternates short steps of few
-   tokens with long steps of many), and the mean of ratios underpriced such a drafter.
+"""Learning-based SSM selection (LBSS) of SPIN (section IV): which drafter serves which request,
+a multi-armed bandit whose reward is goodput (target-accepted tokens per second). Epochs of
+`alpha` exploration slots (chunks of `beta` slots, each request on a random drafter, at most B_j
+per drafter), then 2^k exploitation slots on a max-weight matching of requests to drafter slots
+(Kuhn-Munkres); `likely_destination` says where a request goes next, to prefill it there early.
+The router's selection (`selection.py`) calls `assign` per slot, `observe` per result and
+`next_slot`. Plain Python + numpy + scipy. Deviations, numbered as in
+docs/decisions/drafter-selection.md and marked `deviation:` where coded:
+1. a drafter has `replicas` instances of `capacity` requests each (B_j = their product).
+2. requests dropped in exploration are re-placed on a drafter with room (`refill`).
+3. the exploitation matching charges the switching cost (eq. 6; `switch_weight`).
+4. estimates average every observation behind the drafter's pooled mean (`prior_weight`).
+5. requests come and go: placed in free capacity; placed on a prior, re-matched next slot.
+6. more requests than capacity: the overflow gets None (plain decoding).
+7. exploitation predicts a destination by the matching, not argmax_j g~[i, j].
+8. exploration skips drafters on which the request would decode plainly (`idle`).
+9. exploration retires drafters that never paid on any request (`retire_after`).
+10. goodput is a ratio of sums (tokens over seconds), not a mean of per-step ratios.
 """
 from __future__ import annotations
 

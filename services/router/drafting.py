@@ -23,8 +23,7 @@ from specmesh_services.common import telemetry
 from specmesh_services.common.drafts import HEADS
 from specmesh_services.common.tree import TokenTree
 from specmesh_services.router.arms import DATASTORE_ARM, DraftArm
-from specmesh_services.router.policy import RequestSizing
-from specmesh_services.router.steps import bucket_of
+from specmesh_services.router.sizing import RequestSizing, bucket_of
 from specmesh_services.router.voting import Vote, choose_tree
 from specmesh.v1 import common_pb2, datastore_pb2, drafter_pb2, pool_pb2
 

@@ -1,20 +1,11 @@
 """Router engine: the requests' speculative loops over a pool and the draft sources.
 
 The router keeps what its requests share: the pool (each step's tree submitted, its result
-dispatched back to the request's loop by step), the drafter and datastore calls micro-batched
-across requests, the arms (`arms.py`) and each arm's tree-size policy (`policy.py`, a
-strategy of `sizing.py` per `speculation.tree_size`), the drafter selection (`selection.py`),
-the majority voter (`voting.py`), and which requests are in flight with their current plans.
-Each request runs as a `RequestLoop` (`loop.py`: plan, draft, submit, observe, emit a step),
-which sees of the router only its `LoopServices`. The sources (`speculation.source`): the
-drafter service's models, the lookup datastore (SSSD), or both, their trees merged into one (a
-union of their paths); a failing source never fails the request (`drafting.py`).
-
-How big a tree each step asks for is the policy's: the configured tree every step
-(`speculation.tree_size=fixed`), or per request and step the node budget with the most
-expected tokens per second, 0 = this step verifies no tree (adaptive, ProPD), or Minions'
-adaptive length (`length`). Every step's decision and outcome is recorded in the request's
-stats and on its `router.submit` span.
+dispatched back to the request's loop), the micro-batched drafter and datastore calls, the arms
+(`arms.py`) with each arm's tree-size policy (`sizing/`), the drafter selection
+(`selection.py`), the majority voter (`voting.py`) and the requests in flight with their plans.
+Each request runs as a `RequestLoop` (`loop.py`), which sees of the router only its
+`LoopServices`. Sources, tree sizes and what each step records: docs/router.md.
 """
 from __future__ import annotations
 
@@ -30,6 +21,7 @@ from specmesh_services.common import rpc, tasks, telemetry
 from specmesh_services.common.config import RouterSettings, SpeculationSettings
 from specmesh_services.common.metrics import RouterMetrics
 from specmesh_services.common.pool import POOL_DOWN, Pool
+from specmesh_services.common.request_checks import check_request
 from specmesh_services.common.rpc import FailedPrecondition
 from specmesh_services.common.sampling import SamplingParams
 from specmesh_services.router.admission import Admission
@@ -38,9 +30,8 @@ from specmesh_services.router.batching import MicroBatcher
 from specmesh_services.router.pipeline import micro_batches
 from specmesh_services.router.loop import (InFlight, LoopServices, RequestLoop, Resumed,
                                            TargetInfo)
-from specmesh_services.router.policy import TreeSizing
 from specmesh_services.router.selection import Arm, Selection, make_selection
-from specmesh_services.router.steps import PassTimes
+from specmesh_services.router.sizing import PassTimes, TreeSizing
 from specmesh_services.router.voting import BatchedVoter, MajorityVoter
 from specmesh.v1 import common_pb2, datastore_pb2, drafter_pb2, pool_pb2, router_pb2
 
@@ -196,7 +187,8 @@ class Router:
         else:
             prompt = list(request.prompt_ids)
             params = SamplingParams.from_pb(request.sampling)
-            self._validate(request, prompt, params)
+            check_request(prompt, request.max_tokens, params, request.stop,
+                          self.target.context_length, self.target.vocab_size)
             seed = params.seed if params.seed is not None else secrets.randbits(63)
             state = pool_pb2.RequestState(request_id=request_id, prompt_ids=prompt,
                                           sampling=params.to_pb(), seed=seed,
@@ -330,19 +322,6 @@ class Router:
                     entry_id = await self._submit(entry)
             except Exception as err:  # noqa: BLE001 - Redis down: try again next turn
                 log.warning("checking step %d of %s: %s", entry.step, entry.request_id, err)
-
-    def _validate(self, request: router_pb2.RouteRequest, prompt: list[int],
-                  params: SamplingParams) -> None:
-        if not prompt:
-            raise ValueError("prompt_ids is empty")
-        if any(not 0 <= t < self.target.vocab_size for t in prompt):
-            raise ValueError(f"prompt_ids must be in [0, {self.target.vocab_size})")
-        if len(prompt) >= self.target.context_length:
-            raise ValueError(f"prompt has {len(prompt)} tokens: the model's context is "
-                             f"{self.target.context_length}")
-        if request.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
-        params.validate()
 
     async def _release(self, request_id: str, keep_state: bool = False) -> None:
         """Frees what the request holds: its state in the pool (and with it the verifiers'

@@ -1,11 +1,9 @@
 """One request's speculative loop inside the router: five stages a step.
 
-    plan     which arm drafts (the configured sources, or the selection's choice) and how
-             many nodes (the tree-size policy, `policy.py`); none on the prefill step
+    plan     which arm drafts and how many nodes (`sizing/`); none on the prefill step
     draft    the arm's sources draft a tree of at most that budget (`drafting.py`)
     submit   the tree goes to the pool; the verifier's result comes back
-    observe  what came of it: the sizing, the selection, the vote, the request's stats and
-             the step's record (`StepDecision`, also on the `router.submit` span)
+    observe  sizing, selection, vote, the request's stats and the step's `StepDecision`
     emit     the stop conditions, token by token; the chunk to stream
 
 Step 0 submits an empty tree, so the verifier prefills and emits the first token while the
@@ -27,10 +25,10 @@ from specmesh_services.common.text import TextStream
 from specmesh_services.router.arms import FIXED_ARM, ArmSet, DraftArm
 from specmesh_services.router.batching import MicroBatcher
 from specmesh_services.router.drafting import Drafted, DraftStage
-from specmesh_services.router.policy import RequestSizing, TreeSizing
 from specmesh_services.router.selection import Selection
+from specmesh_services.router.sizing import (BatchShare, RequestSizing, StepChoice, TreeSizing,
+                                            VerifyStep)
 from specmesh_services.router.stats import RequestStats
-from specmesh_services.router.steps import BatchShare, StepChoice, VerifyStep
 from specmesh_services.router.voting import BatchedVoter
 from specmesh.types import finish_reason_name
 from specmesh.v1 import common_pb2, pool_pb2, router_pb2

@@ -1,27 +1,12 @@
 """Which draft source ("arm") drafts for which request: SPIN's learning-based selection (LBSS,
-`bandit.py`) and the two baselines of SPIN's figure 11, behind one interface the router uses.
+`bandit.py`) and the two baselines of SPIN's figure 11 (greedy by prompt length, epsilon-greedy),
+behind one interface the router uses: `arm_for`, `observe`, `release` (docs/router.md).
 
 Arms are the drafter service's models (by name) and the lookup datastore ("datastore"). Time is
-cut into slots of `slot_s` seconds (SPIN's time slots); the first request step of a new slot
-advances the schedule and re-plans every live request at once, as `LBSS.assign` expects. Each
-step's feedback is the request's goodput on its arm: tokens emitted per second of the step
-(accepted + bonus; SPIN counts accepted tokens, the bonus is the same for every arm so it does
-not change the ranking, and it keeps a step with nothing accepted from scoring 0 / s).
-
-    selection = make_selection("lbss", [Arm("datastore", 1024), Arm("m:layers=8", 8)])
-    arm = selection.arm_for(request_id, live)     # name, or None (no capacity: plain step)
-    ...
-    selection.observe(request_id, arm, emitted, seconds)
-    selection.release(request_id)
-
-Baselines, as SPIN describes them (section VI, "Impact of the SSM selection algorithm"):
-- greedy: by prompt length, shorter prompts on cheaper arms (arms listed cheapest first),
-  longer ones on the larger; the live requests ranked by prompt length are split over the arms
-  in equal shares, within capacities.
-- epsilon-greedy: each slot, with probability epsilon all requests use the arm with the best
-  observed mean goodput, otherwise each draws an arm at random. This is SPIN's wording (epsilon
-  = 0.2 "for better exploration", so 80 % of slots explore); the textbook form exploits with
-  probability 1 - epsilon. `exploit_probability` makes the choice explicit.
+cut into SPIN's slots of `slot_s` seconds; a new slot's first step re-plans every live request.
+Departures from SPIN, each explained in docs/decisions/drafter-selection.md:
+- a step's feedback is tokens emitted per second, the bonus token counted (SPIN: accepted);
+- epsilon-greedy exploits with probability epsilon, as SPIN words it (`exploit_probability`).
 """
 from __future__ import annotations
 

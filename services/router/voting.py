@@ -1,25 +1,13 @@
-"""Majority-voted speculator (Minions, section 3.2 and figure 5).
+"""Majority-voted speculator (Minions, section 3.2 and figure 5); a plain module, no gRPC or Redis.
 
-Several drafters each propose a token sequence continuing the request's last accepted token.
-The router merges them into one weighted tree: a node is one token below one path, and its
-weight is the sum of the weights of the drafters whose sequence passes through it ("tree-based
-weighted majority decision"). Starting at the root it descends level by level to the child of
-largest weight, v_{i+1} = argmax_{u in c(v_i)} w_u, until a leaf v_n; S_final = S_{v_n} is the
-majority-approved output and the drafter whose sequence it is, the *voted* drafter.
-
-After verification each output's acceptance rate (accepted tokens / speculation length) is
-recorded against its voted drafter; when a batch has been verified, each drafter's ACR (eq. 1:
-the mean acceptance rate of the outputs it was voted for) is compared with `reward_threshold`
-and `punish_threshold`, and its weight multiplied by `reward_factor` or `punish_factor`
-(a weighted-majority algorithm, Littlestone & Warmuth).
-
-Where it sits: router, after the drafters answered and before the tree goes to the pool; the
-router calls `MajorityVoter.vote`, sends `Vote.path_tree()` (the paper: verify the voted path
-only) or `Vote.union` (SpecInfer-style, verify every drafter's path; not in Minions, offered
-for when `verify_union` says the extra nodes are nearly free), then `MajorityVoter.observe`
-with the verifier's emitted tokens and `MajorityVoter.update` once per verified batch
-(`BatchedVoter` does both for a router's requests).
-Plain module: no gRPC, no Redis.
+In the router, after the drafters answered and before the tree goes to the pool: the drafters'
+sequences merge into one weighted tree and its heaviest path from the root is the majority
+output, its drafter the *voted* one (`MajorityVoter.vote`). After verification the voted
+drafter's acceptance rate is recorded (`observe`); once per verified batch each drafter's ACR
+(eq. 1) rewards or punishes its weight (`update`; `BatchedVoter` does both for a router's
+requests). The algorithm in full: docs/router.md, Majority vote. Beyond Minions, each off by
+default (docs/decisions/majority-vote.md): `Vote.union` verifies every drafter's path when
+`verify_union` finds the extra nodes nearly free; weights are clamped; `credit_all`.
 """
 from __future__ import annotations
 

@@ -1,19 +1,12 @@
 """Verifier engine: continuous batching of tree verification over one packed forward pass.
 
 Plain Python over torch (no gRPC, no Redis): the worker feeds it batches of pool entries, tests
-call it directly. Each `step` takes trees of different requests and:
-1. admits them under a token budget (rows per pass) and the KV memory budget: when the KV store
-   is full, requests not in the batch are evicted least-recently-used first (their KV freed; the
-   next step that needs them re-prefills prompt + accepted tokens), and what still does not fit
-   is deferred to a later step, never dropped;
-2. builds one segment per request: the tokens not yet in the KV store as a causal chain (first
-   sight, re-prefill after eviction; long ones split into chunks over steps), then root + tree;
-3. runs ONE forward of the target over all segments (services/verifier/packed.py);
-4. walks each tree with the request's sampler (services/verifier/walk.py) and commits: the
-   root's and the accepted path's rows are compacted in place, the rest rolled back.
-
-Cache convention: the KV store holds rows for every token of a request except the last one (the
-root of the next tree), so a step runs "root + tree" and keeps the root and the accepted nodes.
+call it directly. Each `step` admits trees under a token budget and the KV budget (evicting
+idle requests least-recently-used first, deferring what still does not fit, never dropping),
+builds one segment per request (the tokens not yet in the KV store as a causal chain, chunked
+over steps, then root + tree), runs ONE forward (packed.py), walks each tree (walk.py) and
+commits the accepted rows (the rest rolled back). The KV store holds every token of a request
+but the last, the next tree's root. The step in full: docs/verifier.md.
 """
 from __future__ import annotations
 
@@ -394,13 +387,6 @@ class VerifierEngine:
         for (_, result), tree in zip(asked, trees):
             result.heads_tree.CopyFrom(tree.to_pb())
             result.heads_seconds = seconds / len(asked)
-
-    def verify_entry(self, entry: pool_pb2.DraftEntry) -> tuple[pool_pb2.VerifyResult, list[int]]:
-        """One entry alone (through prefill chunks)."""
-        while True:
-            (done,) = self.step_entries([entry])
-            if done is not None:
-                return done
 
 
 def _subtree(compiled: CompiledTree, kept: list[int]) -> CompiledTree:

@@ -1,32 +1,110 @@
-"""What one step of a request decides and what the verifier reports of it: the values the
-tree-size policy (`policy.py`, `sizing.py`) and the request loop pass between them."""
+"""ProPD's step-time cost model (section 4.2.1): what a step costs as a function of its tree.
+
+Per size an EMA of measured times, T_perf^i <- (1 - alpha) T_perf^i + alpha t_i, and a
+weighted line T_est(i) = b0 + b1 i, weight W_i = exp(-lambda o_i), o_i the age of T_perf^i
+(`StepTimeModel`). The router keeps one per concurrency bucket (`bucket_of`) and per arm, one
+over the verifier's pass rows (`PassTimes`, V) and one over drafting budgets (D).
+Deviations (docs/decisions/adaptive-tree-size.md):
+- o_i is counted in observed steps, not seconds: the router's steps are its clock.
+- a negative fitted slope is clamped to 0: a larger tree is never cheaper.
+- T_est(n) is a recently measured size's own T_perf, the line only elsewhere (`curve`): costs
+  that grow in steps.
+"""
 from __future__ import annotations
 
+import math
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from specmesh_services.router.tree_size import StepTimeModel
+
+@dataclass(frozen=True)
+class LinearCost:
+    """T_est(n) = b0 + b1 * n seconds per verify step with an n-node tree."""
+
+    b0: float
+    b1: float
+
+    def __call__(self, n: int) -> float:
+        return self.b0 + self.b1 * n
 
 
 @dataclass(frozen=True)
-class StepChoice:
-    budget: int  # node budget for the draft sources, 0 = speculation off
-    expected_length: float  # E(budget), bonus included, under the request's profile
-    probe: bool = False
+class MeasuredCost:
+    """T_est(n) = T_perf^n where size n has been measured recently, the fitted line elsewhere
+    (`StepTimeModel.curve`)."""
+
+    line: LinearCost
+    measured: Mapping[int, float]
+
+    def __call__(self, n: int) -> float:
+        seconds = self.measured.get(n)
+        return self.line(n) if seconds is None else seconds
 
 
-@dataclass(frozen=True)
-class BatchShare:
-    """What a request's step shares its time with: the other requests' plans for their current
-    step, and its own drafter prefill still to pay."""
+@dataclass
+class StepTimeModel:
+    """Per-size EMA of step times and their recency-weighted linear regression."""
 
-    nodes: int = 0  # draft nodes of their trees
-    tokens: float = 0.0  # tokens their steps are expected to emit, bonus included
-    requests: int = 0  # how many they are (one root row each in the verify pass)
-    draft_seconds: float = 0.0  # drafter time their trees take
-    # the request's own prefill on the arm's drafters, not yet done: a tree now waits for it
-    # (SPIN's switching cost, eq. 6, charged to the step that pays it)
-    switch_seconds: float = 0.0
+    alpha: float = 0.3
+    decay: float = 0.02
+    # `curve` trusts a size's own T_perf while its regression weight is at least this
+    # (exp(-0.02 o) >= 0.25: updated within the last 69 steps)
+    fresh_weight: float = 0.25
+    _perf: dict[int, float] = field(default_factory=dict, init=False, repr=False)  # size -> T_perf
+    # size -> step of its last update (o_i in observed steps keeps the weights deterministic)
+    _updated: dict[int, int] = field(default_factory=dict, init=False, repr=False)
+    _step: int = field(default=0, init=False, repr=False)
+
+    def observe(self, size: int, seconds: float) -> None:
+        """One verify step over trees of `size` nodes (per request) that took `seconds`."""
+        size = int(size)
+        old = self._perf.get(size)
+        # the first measurement of a size sets T_perf (an EMA from 0 would be biased low)
+        self._perf[size] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
+        self._updated[size] = self._step
+        self._step += 1
+
+    def sizes(self) -> frozenset[int]:
+        """The sizes measured so far."""
+        return frozenset(self._perf)
+
+    def estimate(self) -> LinearCost | None:
+        """`fit`, or with one size seen a constant at its time; None before any."""
+        if len(self._perf) == 1:
+            return LinearCost(next(iter(self._perf.values())), 0.0)
+        return self.fit()
+
+    def _weight(self, size: int) -> float:
+        """W_i = exp(-lambda o_i), o_i = observed steps since size i was last updated."""
+        return math.exp(-self.decay * (self._step - 1 - self._updated[size]))
+
+    def curve(self) -> MeasuredCost | None:
+        """T_est(n) for the choice: a recently measured size's own T_perf, the fitted line for
+        the others; None before two distinct sizes. (ProPD takes the line everywhere; a size
+        the line misprices is corrected as soon as it has been run.)"""
+        line = self.fit()
+        if line is None:
+            return None
+        measured = {i: t for i, t in self._perf.items() if self._weight(i) >= self.fresh_weight}
+        return MeasuredCost(line, measured)
+
+    def fit(self) -> LinearCost | None:
+        """Weighted least squares over the sizes seen; None before two distinct sizes. A
+        negative slope (noise, or stale sizes) is clamped to 0 and the intercept refitted as
+        the weighted mean."""
+        if len(self._perf) < 2:
+            return None
+        sizes = list(self._perf)
+        w = [self._weight(i) for i in sizes]
+        y = [self._perf[i] for i in sizes]
+        sw = sum(w)
+        mx = sum(wi * i for wi, i in zip(w, sizes)) / sw
+        my = sum(wi * yi for wi, yi in zip(w, y)) / sw
+        sxx = sum(wi * (i - mx) ** 2 for wi, i in zip(w, sizes))
+        sxy = sum(wi * (i - mx) * (yi - my) for wi, i, yi in zip(w, sizes, y))
+        b1 = max(sxy / sxx, 0.0) if sxx > 0 else 0.0
+        return LinearCost(my - b1 * mx, b1)
 
 
 @dataclass(frozen=True)
@@ -65,5 +143,6 @@ class PassTimes(StepTimeModel):
 
 
 def bucket_of(in_flight: int) -> int:
-    """1, 2, 4, 8, ...: the concurrency bucket of a step-time model."""
+    """1, 2, 4, 8, ...: the concurrency bucket of a step-time model (a step's time depends on
+    how many trees share the verifier's pass)."""
     return 1 << max(in_flight - 1, 0).bit_length()

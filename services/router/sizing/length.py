@@ -1,28 +1,15 @@
-"""Adaptive speculation length selector (Minions, section 3.3).
+"""Minions' adaptive speculation length (section 3.3): the node budget s of the "length" strategy.
 
-The LLM's total time is (N / vl(s)) * t_LLM(b, s) (eq. 3), so the best speculation length is
-s_opt = argmin_s t_LLM(b, s) / vl(s) (eq. 4), which first falls and then rises with s (2.3).
-Rather than search it, Minions watches it: an online monitor records, for each verification
-step, t_LLM / vl (step time over the average verified length of its requests). Once at least
-`decision_threshold` records have come in since the last change of s, it fits a line to the
-monitored data: a positive slope (t/vl went up since the change) means s is past the optimum
-and s -= s_punish; a negative slope means there is room to grow and s += s_reward; s stays in
-[s_min, s_max].
-
-Where it sits: router. It asks drafters for `selector.s` tokens and calls `observe` with each
-verification step's time and its requests' accepted counts. Plain module: no gRPC, no Redis.
-
-Read literally, the rule increases s after *any* improvement, also one brought by a decrease.
-So it never settles: near the optimum s keeps cycling through it (with the defaults and exact
-measurements, s_opt - 1, s_opt, s_opt + 1), and starting above the optimum it can only come
-down if s_punish > s_reward (each up-step of s_reward undone by s_punish, a net descent of
-s_punish - s_reward per two decisions). The paper gives no values; we default to s_reward = 1,
-s_punish = 2 for that reason, and s_init = 4 (its *Default* length).
-
-Deviations, each explained where it is made: the bonus token counted in vl (`count_bonus`);
-the records from just before a change kept in the fitted window, and a probing move when there
-is no change to judge (`_decide`); after a decrease that made things worse, s goes back up
-rather than down again (`undo_harmful_decrease`, `_step`).
+s_opt = argmin_s t_LLM(b, s) / vl(s) (eq. 4) is watched, not searched: an online monitor records
+each verification step's time over its requests' average verified length; once
+`decision_threshold` records have come in since s last changed, the slope of a line through them
+moves s (positive: s -= s_punish, negative: s += s_reward), within [s_min, s_max]. The router
+asks for `selector.s` nodes and calls `observe` after each step. Plain module, no gRPC.
+Defaults and deviations (docs/decisions/speculation-length.md):
+- s_punish = 2 > s_reward = 1, s_init = 4: the paper gives none; a literal rule never settles.
+- the bonus token is counted in vl (`count_bonus`): a step that accepted nothing still emitted.
+- the fit keeps records from before a change, and probes when there is no change to judge.
+- after a decrease that made t/vl worse, s goes back up (`undo_harmful_decrease`).
 """
 from __future__ import annotations
 

@@ -1,83 +1,63 @@
-"""Speculation policy: how many draft nodes each step of each request asks for, and the record
-of what came of it. Composes ProPD's dynamic tree size (`tree_size.py`, section 4.2) into the
-router.
+"""The tree sizing's state: router-wide per arm (`TreeSizing`: its strategy, step-time models
+per concurrency bucket, drafting times, the prior acceptance profile) and per request and arm
+(`RequestSizing`: its own profile, started as a copy of the prior, its choices and records).
 
-Router-wide (`TreeSizing`): one `StepTimeModel` per concurrency bucket (requests in flight at
-the router, rounded up to a power of two: a step's time depends on how many trees share the
-verifier's forward pass; ProPD recomputes "when the batch size changes"), and a prior
-`AcceptanceProfile` learnt from every request. Per request (`RequestSizing`): its own profile,
-started as a copy of the prior and updated by its own walks (a code request and a chat request
-accept very differently), and the choice each step:
-
-    budget = argmax_n E_request(n) / T_bucket(n),   n = 0 .. max_nodes, 0 = speculation off
-
-alone (one request in flight), and with others in flight
-
-    budget = argmax_n (E_others + E_request(n)) / (V(R_others + 1 + n) + D_others + D_arm(n))
-
-the rate of the whole batch: V(rows) = the verifier's pass time over its rows (reported with
-every result, regressed router-wide over passes that only decoded), D_arm(n) = the drafters'
-time for an n-node budget on this arm (reported by the drafter and the datastore), and
-R_others, D_others, E_others = rows (nodes + one root each), drafting time and expected tokens
-of the other requests' current plans (`BatchShare`). A request's tree then pays for the time
-it adds to every request's step, not only to its own: regressing the wall time of a request's
-step on its own tree size, as alone, made "off" never look cheaper with 8 in flight
-(docs/decisions/adaptive-tree-size.md). The wall time also mixes in waits for other requests'
-work; V and D are measured where the work is done. D_others is a sum: drafters on the
-verifier's cores (the embedded mesh) or one drafter process draft the trees one after another
-(a fleet of drafters in parallel makes this conservative). Deviation: ProPD chooses one size
-for the batch when the batch size changes; here each request chooses, knowing the others' plans.
-
-Deviations from ProPD, each for a reason:
-- T is the router's wall time of a step (drafting + pool + verification + result), not the
-  verifier's forward time alone: ProPD's drafts are Medusa heads, nearly free; ours are draft
-  models and a lookup service, whose cost the choice must see. With n = 0 nothing is drafted,
-  so T(0) is exactly the cost of plain decoding through the verifier.
-- T(n) and V(rows) are `StepTimeModel.curve`: a size's own EMA where it was measured
-  recently, the recency-weighted line only for the sizes not run lately. Costs that grow in
-  steps (FBGEMM's fp16 GEMM takes rows in blocks of 6 on AVX2) are misread by a line on both
-  sides of each step.
-- The choice is recomputed every step, not only when batch size or context length change:
-  the profile is per request and moves every step, and the greedy best-tree scan costs
-  ~0.1 ms against steps of tens of milliseconds.
-- Probing: every `probe_every` steps a request runs one step at a neighbouring size (in turn
-  one node more, one less, double, half the chosen one: the adjacent sizes see a cost that
-  grows in steps, double and half the slope). Without it the fitted line would keep the slope
-  of whatever two sizes were measured first (two points fit exactly, whatever their weights),
-  and an "off" request would never learn that its text became predictable again (no tree
-  verified, no acceptance observed). An off request probes 4x less often and with a 2-node
-  tree (a probe costs what a tree costs over a plain step), and at once when it starts off on
-  the arm's prior alone; if its first two tokens are accepted the choice turns speculation
-  back on, after which the deeper levels learn again. An off request skips
-  its probe when even a tree whose every node were accepted would not beat plain decoding at
-  the current costs: a probe can only teach acceptance, and on a model arm it also costs a
-  drafter prefill (costs measured: docs/decisions/adaptive-tree-size.md).
-- Bootstrap: until a bucket has two measured sizes, the default size and then size 0 are run.
-  With others in flight, until V and D are measured one request of the arm at a time drafts
-  the default size and the others decode plainly (eight requests each bootstrapping a model
-  arm cost eight drafter prefills). D starts as the drafter's own measurement where it
-  reported one (`draft_prior`: one forward per tree level, timed when the model was loaded),
-  so a model arm whose drafting cannot pay in the current batch is never bootstrapped.
-
-This is the "adaptive" strategy (`sizing.AdaptiveSize`). `speculation.tree_size` picks the
-strategy of every arm once (`sizing.py`): "fixed" drafts the configured tree every step;
-"length" swaps ProPD's choice for Minions' adaptive speculation length (`length.py`, section
-3.3): one selector per arm watches step time / emitted tokens and moves the budget s up or down
-by the slope of that ratio; every request of the arm drafts s nodes. Whatever the strategy,
-the costs, the prior and each request's profile learn from every step (`RequestSizing.observe`).
+Each step the request hands the arm's strategy what it chooses from (`ChoiceInputs`, with the
+costs priced here: the bucket's step time alone, the batch's with others in flight, `BatchShare`
+being the others' plans); `observe` then teaches the costs, the prior and the request's profile
+what came of the step, whatever the strategy.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from specmesh_services.common.tree import TokenTree
-from specmesh_services.router.sizing import make_strategy
-from specmesh_services.router.steps import (BatchShare, PassTimes, StepChoice, VerifyStep,
-                                            bucket_of)
-from specmesh_services.router.tree_size import (AcceptanceProfile, LinearCost, StepTimeModel,
-                                                TreeSizeConfig)
+from specmesh_services.router.sizing.acceptance import AcceptanceProfile
+from specmesh_services.router.sizing.choice import ChoiceInputs, StepChoice, StepCosts
+from specmesh_services.router.sizing.cost import (LinearCost, PassTimes, StepTimeModel,
+                                                  VerifyStep, bucket_of)
+from specmesh_services.router.sizing.strategies import make_strategy
 from specmesh.v1 import common_pb2
+
+
+@dataclass(frozen=True)
+class SizingConfig:
+    """The models' parameters; ProPD names alpha and lambda but gives no values: ours."""
+
+    max_depth: int = 8  # depths with tracked probabilities (ProPD: number of heads)
+    max_rank: int = 4  # ranks tracked per depth (ProPD: top-K)
+    time_alpha: float = 0.3  # alpha of the T_perf EMA
+    age_decay: float = 0.02  # lambda of W_i = exp(-lambda o_i), o_i counted in observed steps
+    prob_alpha: float = 0.05  # alpha of the P EMA
+    prior_weight: float = 4.0  # observations the prior counts as in a request's profile
+    # initial P_d^k = 1 - (1 - prior_top1)^k (ProPD does not say how P starts; from 0 every
+    # tree would be worth nothing and the first choice would switch speculation off for good)
+    prior_top1: float = 0.5
+    default_size: int = 8  # the bootstrap's size, until the time model has two sizes
+
+    def __post_init__(self) -> None:
+        if self.max_depth < 1 or self.max_rank < 1:
+            raise ValueError("need max_depth >= 1, max_rank >= 1")
+        for name in ("time_alpha", "prob_alpha"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1]")
+        if not 0 <= self.prior_top1 <= 1 or self.age_decay < 0 or self.prior_weight < 1:
+            raise ValueError("need 0 <= prior_top1 <= 1, age_decay >= 0, prior_weight >= 1")
+
+
+@dataclass(frozen=True)
+class BatchShare:
+    """What a request's step shares its time with: the other requests' plans for their current
+    step, and its own drafter prefill still to pay."""
+
+    nodes: int = 0  # draft nodes of their trees
+    tokens: float = 0.0  # tokens their steps are expected to emit, bonus included
+    requests: int = 0  # how many they are (one root row each in the verify pass)
+    draft_seconds: float = 0.0  # drafter time their trees take
+    # the request's own prefill on the arm's drafters, not yet done: a tree now waits for it
+    # (SPIN's switching cost, eq. 6, charged to the step that pays it)
+    switch_seconds: float = 0.0
 
 
 class TreeSizing:
@@ -86,7 +66,7 @@ class TreeSizing:
     over rows), which the router shares between its arms."""
 
     def __init__(self, max_nodes: int, max_depth: int, probe_every: int = 16,
-                 config: TreeSizeConfig | None = None, mode: str = "adaptive",
+                 config: SizingConfig | None = None, mode: str = "adaptive",
                  verify_times: PassTimes | None = None,
                  draft_prior: Callable[[int], float] | None = None,
                  self_sized: bool = False) -> None:
@@ -98,18 +78,14 @@ class TreeSizing:
         `self_sized`: the arm's tree is one draft model's chain under a confidence stop."""
         if max_nodes < 0 or max_depth < 0:
             raise ValueError("need max_nodes >= 0 and max_depth >= 0")
-        self.strategy = make_strategy(mode, max_nodes, probe_every, self_sized)
+        base = config or SizingConfig()
+        self.config = replace(base, max_depth=max(max_depth, 1),
+                              default_size=min(base.default_size, max_nodes))
         self.max_nodes = max_nodes
-        base = config or TreeSizeConfig()
-        self.config = TreeSizeConfig(
-            max_size=max_nodes, max_depth=max(max_depth, 1), max_rank=base.max_rank,
-            time_alpha=base.time_alpha, age_decay=base.age_decay, prob_alpha=base.prob_alpha,
-            prior_top1=base.prior_top1, default_size=min(base.default_size, max_nodes),
-            context_tolerance=base.context_tolerance, prior_weight=base.prior_weight)
+        self.strategy = make_strategy(mode, max_nodes, self.config.default_size,
+                                      self.config.max_depth, probe_every, self_sized)
         # the arm's prior counts as `prior_weight` observations, like a request's start: its
-        # initial P (prior_top1) is a guess, not 1 / alpha = 20 observations (a layer-truncated
-        # draft that the target never followed still promised 1.5-2 tokens per step after
-        # 10 of its trees had all failed, and every new request tried it again)
+        # initial P (prior_top1) is a guess (docs/decisions/adaptive-tree-size.md)
         self.prior = AcceptanceProfile(self.config.max_depth, self.config.max_rank,
                                        self.config.prob_alpha, self.config.prior_top1
                                        ).fresh(self.config.prior_weight)
@@ -149,13 +125,21 @@ class TreeSizing:
         return lambda n: (verify(rows + n) + others.draft_seconds
                           + (draft(n) + others.switch_seconds if n else 0.0))
 
+    def step_costs(self, in_flight: int, others: BatchShare) -> StepCosts:
+        """What a step now costs: with others in flight (and the verifier's pass time shared),
+        the batch's (`batch_cost`); else the step time of the concurrency's bucket."""
+        if in_flight > 1 and self.verify_times is not None:
+            return StepCosts(self.batch_cost(others), batched=True, other_tokens=others.tokens)
+        model = self.time_model(bucket_of(in_flight))
+        return StepCosts(model.curve(), measured_sizes=model.sizes())
+
     def draft_seconds(self, n: int) -> float:
         """The expected drafting seconds of an n-node tree (D(n), measured or the drafter's
         prior; 0 for no tree or before either exists)."""
         draft = self.draft_times.estimate() or self.draft_prior
         return draft(n) if n and draft is not None else 0.0
 
-    def for_request(self) -> "RequestSizing":
+    def for_request(self) -> RequestSizing:
         return RequestSizing(self, self.prior.fresh(self.config.prior_weight))
 
 
@@ -170,23 +154,28 @@ class RequestSizing:
     choices: int = 0  # steps it chose a size for on this arm
     trees: int = 0  # its own trees verified
 
+    def _inputs(self, in_flight: int, others: BatchShare) -> ChoiceInputs:
+        shared = self.shared
+        costs = shared.step_costs(in_flight, others) if shared.strategy.prices else None
+        return ChoiceInputs(self.profile, self.choices, self.trees, costs)
+
     def choose(self, in_flight: int, others: BatchShare = BatchShare()) -> StepChoice:
         self.choices += 1
-        return self.shared.strategy.choose(self, in_flight, others)
+        return self.shared.strategy.choose(self._inputs(in_flight, others))
 
     def would_speculate(self, in_flight: int, others: BatchShare = BatchShare()) -> bool:
         """Whether a step now would draft (`SizeStrategy.would_speculate`)."""
-        return self.shared.strategy.would_speculate(self, in_flight, others)
+        return self.shared.strategy.would_speculate(self._inputs(in_flight, others))
 
     def runs_plain(self, in_flight: int, others: BatchShare = BatchShare()) -> bool:
         """Whether no tree of this arm pays now (`SizeStrategy.runs_plain`); counts as no
         step."""
-        return self.shared.strategy.runs_plain(self, in_flight, others)
+        return self.shared.strategy.runs_plain(self._inputs(in_flight, others))
 
     def ahead_budget(self, budget: int, in_flight: int, others: BatchShare = BatchShare()
                      ) -> int:
         """The node limit of the next step's tree drafted ahead (`SizeStrategy.ahead_budget`)."""
-        return self.shared.strategy.ahead_budget(self, budget, in_flight, others)
+        return self.shared.strategy.ahead_budget(self._inputs(in_flight, others), budget)
 
     def observe(self, step: int, choice: StepChoice, tree: TokenTree, emitted: list[int],
                 seconds: float, in_flight: int, drafters: list[str], arm: str = "",
@@ -195,12 +184,10 @@ class RequestSizing:
         """One finished step: updates the models and records the decision. `verify`: the
         verifier's pass the tree was in; `draft_seconds`: the drafters' time for this tree;
         `switch_seconds`: of `seconds`, the wait for a drafter's prefill of this request (its
-        first step on that drafter): the step-time model learns the step without it, or the
-        one step that paid for a switch would price the arm's trees at a prefill and keep the
-        router off the arm (docs/decisions/adaptive-tree-size.md).
-
-        The models skip the request's prefill step and passes that also prefilled another
-        request: their time is a prefill's, whatever the trees' sizes."""
+        first step on that drafter), which the step-time model does not learn (one step that
+        paid for a switch would keep the router off the arm). Nor does it learn the request's
+        prefill step or passes that also prefilled another request: their time is a prefill's
+        (docs/decisions/adaptive-tree-size.md)."""
         shared = self.shared
         step_seconds = max(seconds - switch_seconds, 0.0)
         if step > 0:
@@ -211,8 +198,7 @@ class RequestSizing:
             timed = choice.budget > 0 and draft_seconds > 0
             if timed:
                 # at the size drafted: a confidence-stopped chain runs one forward per node it
-                # returns, whatever its budget (a chain asked for 8 that stopped at 3 cost 3
-                # levels); timed at the budget, every size looked like the full chain's cost
+                # returns, whatever its budget
                 shared.draft_times.observe(len(tree) or choice.budget, draft_seconds)
             shared.strategy.observe(choice, len(emitted), step_seconds, timed)
             if len(tree):
