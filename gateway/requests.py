@@ -1,17 +1,18 @@
 """Validation and tokenization of gateway requests into router requests.
 
-Every rejection is a ValueError whose message says what to fix; the servicer maps it to
-INVALID_ARGUMENT.
+The checks the router's own API applies too are services/common/request_checks.py's; here are
+the gateway's: the model name, chat messages, this gateway's max_tokens limit and the room left
+in the context. Every rejection is a ValueError whose message says what to fix; the servicer
+maps it to INVALID_ARGUMENT.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specmesh_services.common.request_checks import check_request
 from specmesh_services.common.sampling import SamplingParams
 from specmesh.v1 import gateway_pb2, router_pb2
 
-MAX_STOP_SEQUENCES = 16
-MAX_STOP_LENGTH = 256
 ROLES = ("system", "user", "assistant")
 
 
@@ -22,6 +23,12 @@ class ServedModel:
     context_length: int
     max_tokens_default: int
     max_tokens_limit: int
+
+    @classmethod
+    def from_settings(cls, settings, tokenizer, context_length: int) -> "ServedModel":
+        """The model `settings` serve (a Settings), with its tokenizer and context length."""
+        return cls(settings.model, tokenizer, context_length, settings.max_tokens_default,
+                   settings.max_tokens_limit)
 
     @property
     def has_chat_template(self) -> bool:
@@ -39,13 +46,14 @@ def to_route_request(request: gateway_pb2.GenerateRequest, model: ServedModel,
         raise ValueError(f"unknown model '{request.model}': this gateway serves '{model.name}' "
                          f"(leave model empty for the default)")
     prompt_ids = _tokenize(request, model)
-    max_tokens = _max_tokens(request, model, len(prompt_ids))
     sampling = SamplingParams.from_pb(request.sampling)
-    sampling.validate()  # NaN and infinities included
-    _check_stop(list(request.stop))
+    stop = list(request.stop)
+    requested = (request.max_tokens if request.HasField("max_tokens")
+                 else model.max_tokens_default)
+    check_request(prompt_ids, requested, sampling, stop, model.context_length)
     return router_pb2.RouteRequest(request_id=request_id, prompt_ids=prompt_ids,
-                                   max_tokens=max_tokens, sampling=sampling.to_pb(),
-                                   stop=list(request.stop))
+                                   max_tokens=_max_tokens(request, model, len(prompt_ids)),
+                                   sampling=sampling.to_pb(), stop=stop)
 
 
 def _tokenize(request: gateway_pb2.GenerateRequest, model: ServedModel) -> list[int]:
@@ -66,21 +74,16 @@ def _tokenize(request: gateway_pb2.GenerateRequest, model: ServedModel) -> list[
         if not request.prompt:
             raise ValueError("prompt is empty: give a non-empty prompt or chat messages")
         ids = tokenizer(request.prompt).input_ids
-    if not ids:
-        raise ValueError("prompt is empty after tokenization")
-    if len(ids) >= model.context_length:
-        raise ValueError(f"prompt is too long: {len(ids)} tokens, but the model's context is "
-                         f"{model.context_length} tokens (prompt + max_tokens must fit)")
     return ids
 
 
 def _max_tokens(request: gateway_pb2.GenerateRequest, model: ServedModel, prompt_len: int) -> int:
+    """The request's max_tokens within this gateway's limit and the room the prompt leaves in
+    the context (the default shortened to fit)."""
     room = model.context_length - prompt_len
     if not request.HasField("max_tokens"):
         return min(model.max_tokens_default, room)
     value = request.max_tokens
-    if value < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {value}")
     if value > model.max_tokens_limit:
         raise ValueError(f"max_tokens={value} is too large: this gateway allows at most "
                          f"{model.max_tokens_limit}")
@@ -88,13 +91,3 @@ def _max_tokens(request: gateway_pb2.GenerateRequest, model: ServedModel, prompt
         raise ValueError(f"max_tokens={value} does not fit: the prompt has {prompt_len} tokens and "
                          f"the model's context is {model.context_length}, so use max_tokens <= {room}")
     return value
-
-
-def _check_stop(stop: list[str]) -> None:
-    if len(stop) > MAX_STOP_SEQUENCES:
-        raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(stop)}")
-    for s in stop:
-        if not s:
-            raise ValueError("stop sequences must be non-empty")
-        if len(s) > MAX_STOP_LENGTH:
-            raise ValueError(f"stop sequences must be at most {MAX_STOP_LENGTH} characters")

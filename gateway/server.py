@@ -22,10 +22,8 @@ log = logging.getLogger(__name__)
 
 def served_model(settings: Settings) -> ServedModel:
     path = models.resolve(settings.model, settings.cache_dir)
-    return ServedModel(name=settings.model, tokenizer=models.load_tokenizer(path),
-                       context_length=models.context_length(models.load_config(path)),
-                       max_tokens_default=settings.max_tokens_default,
-                       max_tokens_limit=settings.max_tokens_limit)
+    return ServedModel.from_settings(settings, models.load_tokenizer(path),
+                                     models.context_length(models.load_config(path)))
 
 
 def router_ready(router_channels: list[grpc.aio.Channel]):

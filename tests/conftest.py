@@ -20,7 +20,7 @@ from specmesh_services.common.prompts import mtbench_questions
 from specmesh_services.common import models, serving
 from specmesh_services.common.config import Settings
 from specmesh_services.common.lm import CausalLM
-from specmesh_services.common.redis_server import RedisServer
+from specmesh_services.launch.redis_server import RedisServer
 
 
 @pytest.fixture(scope="session")

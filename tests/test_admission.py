@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from specmesh_services.common.rpc import Overloaded
-from specmesh_services.embedded import EmbeddedMesh
+from specmesh_services.launch.embedded import EmbeddedMesh
 from specmesh_services.router.admission import Admission
 from specmesh.v1 import gateway_pb2, gateway_pb2_grpc
 from threaded import gateway_apis, served  # tests/ is on the path

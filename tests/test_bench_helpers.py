@@ -1,32 +1,11 @@
-"""Benchmark arithmetic: the oracle ceiling of bench.agreement (drafting exactly the accepted
-tokens, priced by the measured draft and verify times) and bench.router's bracketed baseline."""
+"""Benchmark arithmetic: bench.router's bracketed baseline, bench.step_time's and
+bench.timeline's interval arithmetic, and bench.timeline's command-line settings."""
+import argparse
+
 import pytest
 
-from bench.agreement import oracle_speedup
 from bench.router import bracket
 from bench.run import MethodResult
-
-VERIFY = {1: 10.0, 2: 11.0, 3: 12.0, 4: 13.0}  # ms of a target forward of n rows
-
-
-def test_a_draft_that_never_agrees_is_plain_decoding():
-    assert oracle_speedup([[False] * 7], depth=3, draft_ms=2.0, verify_ms=VERIFY) == 1.0
-
-
-def test_runs_are_capped_at_the_depth_and_priced_per_step():
-    # 5 agreements, a miss, an agreement, a miss: positions 0-3 in one step (3 drafted, the
-    # 4th token the bonus), 4-5 (1 drafted, the miss is the bonus), 6-7 (the same)
-    agree = [True] * 5 + [False] + [True, False]
-    tokens = 4 + 2 + 2
-    ms = (3 * 2.0 + VERIFY[4]) + (1 * 2.0 + VERIFY[2]) + (1 * 2.0 + VERIFY[2])
-    assert oracle_speedup([agree], depth=3, draft_ms=2.0, verify_ms=VERIFY) == \
-        pytest.approx(tokens * VERIFY[1] / ms)
-
-
-def test_free_perfect_drafts_reach_the_verify_bound():
-    # every token agreed, drafting free: (depth + 1) tokens per forward of depth + 1 rows
-    speedup = oracle_speedup([[True] * 8], depth=3, draft_ms=0.0, verify_ms=VERIFY)
-    assert speedup == pytest.approx(4 * VERIFY[1] / VERIFY[4])
 
 
 def test_a_bracketed_baseline_is_the_mean_of_the_plain_runs_around_a_method():
@@ -40,46 +19,22 @@ def test_a_bracketed_baseline_is_the_mean_of_the_plain_runs_around_a_method():
     assert before.seconds == 4.0 and before.seconds_per_prompt == [1.0, 3.0]  # not modified
 
 
-# bench.alternate: configurations on the command line, the summary against the first one
-def test_alternate_configs_parse_names_and_typed_overrides():
-    from bench.alternate import parse_config
-    assert parse_config("chain") == ("chain", {})
-    assert parse_config("tree:speculation.width=2,speculation.tree_size=fixed,"
-                        "drafters=[\"layers:8\",\"layers:4\"],speculation.voting=true") == (
-        "tree", {"speculation.width": 2, "speculation.tree_size": "fixed",
-                 "drafters": ["layers:8", "layers:4"], "speculation.voting": True})
+# bench.timeline: --set KEY=VALUE settings
+def test_timeline_settings_parse_typed_values():
+    from bench.timeline import parse_overrides
+    assert parse_overrides([]) == {}
+    assert parse_overrides(["speculation.width=2", "speculation.tree_size=fixed",
+                            "drafters=[\"layers:8\",\"layers:4\"]",
+                            "speculation.voting=true"]) == {
+        "speculation.width": 2, "speculation.tree_size": "fixed",
+        "drafters": ["layers:8", "layers:4"], "speculation.voting": True}
 
 
-@pytest.mark.parametrize("bad", [":speculation.width=2", "tree:speculation.width"])
-def test_alternate_configs_reject_a_missing_name_or_value(bad):
-    import argparse
-    from bench.alternate import parse_config
+@pytest.mark.parametrize("bad", ["=2", "speculation.width"])
+def test_timeline_settings_reject_a_missing_key_or_value(bad):
+    from bench.timeline import parse_overrides
     with pytest.raises(argparse.ArgumentTypeError):
-        parse_config(bad)
-
-
-def test_alternate_rejects_settings_that_do_not_exist():
-    from bench.alternate import check_keys
-    check_keys({"speculation.width": 2, "drafters": ["layers:8"], "dtype": "float32"})
-    for bad in ({"speculation.widht": 2}, {"speculaton.width": 2}, {"drafter": []}):
-        with pytest.raises(ValueError, match="unknown setting"):
-            check_keys(bad)
-
-
-def test_alternate_summary_is_relative_to_the_first_configuration():
-    from bench.alternate import markdown, summary
-    a = MethodResult("a", tokens=100, seconds=10.0, target_forwards=50,
-                     outputs=[[1, 2], [3]])
-    b = MethodResult("b", tokens=100, seconds=8.0, target_forwards=25, outputs=[[1, 2], [4]])
-    rows = summary({"a": a, "b": b})
-    assert [r["vs_first"] for r in rows] == [1.0, pytest.approx(1.25)]
-    assert [r["identical_to_first"] for r in rows] == [2, 1]
-    assert rows[1]["mean_accepted_length"] == pytest.approx(4.0)
-    text = markdown({"model": "m", "dtype": "bfloat16", "common": {}, "summary": rows,
-                     "configs": {"a": {}, "b": {"speculation.width": 2}},
-                     "prompts": [{"name": "p", "category": "code",
-                                  "tok_s": {"a": 10.0, "b": 12.5}}]})
-    assert "| b | speculation.width=2 | 12.50 | 1.250 | 4.00 |" in text
+        parse_overrides([bad])
 
 
 # bench.step_time: the timeline that splits a step's time among its parts

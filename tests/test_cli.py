@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from specmesh_services.common.procs import free_port, pid_alive
+from specmesh_services.launch.procs import free_port, pid_alive
 
-SPECMESH = [sys.executable, "-m", "specmesh_services.cli"]
+SPECMESH = [sys.executable, "-m", "specmesh_services.launch.cli"]
 
 
 def run_cli(args, env, timeout=300):
@@ -120,7 +120,7 @@ def test_ctrl_c_on_up_stops_everything(cli_env, tmp_path):
 
 
 def test_model_flags_become_settings():
-    from specmesh_services.cli import build_parser, settings_from
+    from specmesh_services.launch.cli import build_parser, settings_from
 
     args = build_parser().parse_args(["run", "hi", "--draft-vocab", "4096", "--dtype", "float32",
                                       "--draft", "layers:8@int4"])
@@ -133,12 +133,13 @@ def test_model_flags_become_settings():
 def test_down_kills_a_supervisor_that_ignores_sigterm(tmp_path, monkeypatch):
     """A hung supervisor (it ignores SIGTERM here) is killed after STOP_TIMEOUT_S, and `down`
     returns only once it is gone; an unrelated process behind a stale pid is never signalled."""
-    from specmesh_services import stack
     from specmesh_services.common.config import Settings
+    from specmesh_services.launch import stack
 
     hung = subprocess.Popen([sys.executable, "-c", "import signal, time; "
                              "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); "
-                             "time.sleep(600)", "specmesh_services.cli"], stdout=subprocess.PIPE)
+                             "time.sleep(600)", "specmesh_services.launch.cli"],
+                            stdout=subprocess.PIPE)
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
         hung.stdout.readline()  # SIGTERM is ignored from here on

@@ -15,10 +15,10 @@ from typing import Literal
 import pytest
 import yaml
 
-from specmesh_services import cli
 from specmesh_services.common.config import (Settings, SettingsError, check_environment,
-                                             env_name, load_settings, setting_fields)
-from specmesh_services.settings_cli import (COMMANDS, DEST_PREFIX, FIELDS, reference_markdown,
+                                             check_keys, env_name, load_settings, setting_fields)
+from specmesh_services.launch import cli
+from specmesh_services.launch.flags import (COMMANDS, DEST_PREFIX, FIELDS, reference_markdown,
                                             value_type)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,8 +153,8 @@ def test_a_variable_typo_stops_the_command_with_one_line(monkeypatch, capsys):
 def test_a_variable_typo_fails_the_installed_command_without_a_traceback(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.upper().startswith("SPECMESH_")}
     env["SPECMESH_VERIFIER__BATCH_SIZ"] = "4"
-    out = subprocess.run([sys.executable, "-m", "specmesh_services.cli", "config", "show"],
-                         env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    out = subprocess.run([sys.executable, "-m", "specmesh_services.launch.cli", "config",
+                          "show"], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines() == [
         "specmesh: error: unknown setting SPECMESH_VERIFIER__BATCH_SIZ: did you mean "
@@ -201,9 +201,15 @@ def test_dicts_with_unknown_keys_are_refused_with_the_nearest():
         Settings().with_overrides(verifier={"batch": 2})
     with pytest.raises(ValueError, match="modle"):
         Settings(modle="x")
-    from bench.alternate import check_keys
     with pytest.raises(SettingsError, match="drafter: did you mean drafters"):
         check_keys({"drafter": []})
+
+
+def test_dotted_keys_are_checked_against_the_settings():
+    check_keys({"speculation.width": 2, "drafters": ["layers:8"], "dtype": "float32"})
+    for bad in ({"speculation.widht": 2}, {"speculaton.width": 2}, {"drafter": []}):
+        with pytest.raises(ValueError, match="unknown setting"):
+            check_keys(bad)
 
 
 def test_with_overrides_merges_a_section_key_by_key():
@@ -250,7 +256,8 @@ def test_the_configuration_reference_is_current():
     expected = reference_markdown()
     assert REFERENCE.is_file() and REFERENCE.read_text() == expected, (
         "docs/configuration.md is stale; regenerate it with "
-        "`.venv/bin/python -m specmesh_services.cli config reference > docs/configuration.md`")
+        "`.venv/bin/python -m specmesh_services.launch.cli config reference "
+        "> docs/configuration.md`")
 
 
 def test_the_reference_lists_every_setting():
@@ -260,7 +267,7 @@ def test_the_reference_lists_every_setting():
 
 
 def test_the_environment_up_gives_its_children_rebuilds_the_same_settings(monkeypatch):
-    from specmesh_services.stack import settings_env
+    from specmesh_services.launch.stack import settings_env
 
     settings = Settings().with_overrides(drafters=["layers:4", "layers:2@int8"], redis_url="r:1",
                                          **{"speculation.depth": 3, "datastore.path": "/d"})

@@ -161,7 +161,7 @@ def test_the_mesh_samples_the_same_tokens_with_any_draft_and_couples_its_drafts(
     with coupled drafts (batch 1; 6 in flight with pre-speculation), uncoupled drafts and no
     speculation the outputs are identical, and coupled drafts are accepted more often than
     uncoupled ones."""
-    from specmesh_services.embedded import EmbeddedMesh
+    from specmesh_services.launch.embedded import EmbeddedMesh
 
     draft = base_settings.with_overrides(drafters=["layers:20"], **{
         "speculation.depth": 4, "speculation.width": 1})

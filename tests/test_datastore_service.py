@@ -11,12 +11,12 @@ import shutil
 import grpc
 import pytest
 
-from specmesh_services import cli
 from specmesh_services.common.rpc import channel
 from specmesh_services.common.datastore_files import DatastoreMismatch, tokenizer_family
 from specmesh_services.datastore import corpus
 from specmesh_services.datastore.server import build_engine, start
-from specmesh_services.embedded import EmbeddedMesh
+from specmesh_services.launch import cli
+from specmesh_services.launch.embedded import EmbeddedMesh
 from specmesh_services.router.server import check_datastore
 from specmesh.v1 import datastore_pb2, datastore_pb2_grpc
 from test_lossless_greedy import assert_target_tokens  # noqa: E402  (tests/ is on the path)

@@ -1,7 +1,7 @@
 """The deployment files, checked without Docker or a cluster.
 
 `Dockerfile`, `docker-compose.yml` and `deploy/k8s/` are read as data and held against the real
-CLI parser (`services.cli.build_parser`) and the real `Settings`: a renamed flag, setting, port or
+CLI parser (`launch.cli.build_parser`) and the real `Settings`: a renamed flag, setting, port or
 Service breaks this test instead of a deployment. Fast: no model, no network.
 """
 from __future__ import annotations
@@ -19,8 +19,8 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from specmesh_services.cli import ROLES, build_parser, settings_from
 from specmesh_services.common.config import Settings
+from specmesh_services.launch.cli import ROLES, build_parser, settings_from
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -196,7 +196,7 @@ def test_dockerignore_keeps_the_build_inputs_and_drops_the_rest():
               *(str(p.relative_to(ROOT)) for d in package_dirs for p in (ROOT / d).rglob("*.py")),
               *(str(p.relative_to(ROOT)) for p in (ROOT / "protos").rglob("*.proto"))]
     assert [p for p in needed if docker_ignored(p, patterns)] == []
-    dropped = [".venv/bin/python", ".git/HEAD", "services/__pycache__/cli.cpython-311.pyc",
+    dropped = [".venv/bin/python", ".git/HEAD", "services/launch/__pycache__/cli.cpython-311.pyc",
                "sdk/specmesh/v1/gateway_pb2.py", "sdk/specmesh/v1/gateway_pb2_grpc.py",
                "bench/results/run.json", "docs/benchmarks/README.md", "tests/test_cli.py"]
     assert [p for p in dropped if not docker_ignored(p, patterns)] == []

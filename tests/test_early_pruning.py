@@ -153,7 +153,7 @@ def test_early_heads_train_on_layer_states_and_load_for_their_model(base_setting
 
 def test_mesh_with_the_shipped_early_head_equals_generate(base_settings, questions,
                                                           hf_greedy_reference, compute):
-    from specmesh_services.embedded import EmbeddedMesh
+    from specmesh_services.launch.embedded import EmbeddedMesh
     from test_lossless_greedy import assert_target_tokens, generate_all
 
     settings = base_settings.with_overrides(drafters=["heads"], **{

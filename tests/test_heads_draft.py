@@ -125,7 +125,7 @@ def heads_settings(base_settings):
 
 def test_greedy_with_the_shipped_heads_equals_target_generate(heads_settings, questions,
                                                               hf_greedy_reference, compute):
-    from specmesh_services.embedded import EmbeddedMesh
+    from specmesh_services.launch.embedded import EmbeddedMesh
 
     async def run():
         async with EmbeddedMesh.start(heads_settings, compute) as mesh:

@@ -16,8 +16,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from specmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, pool_pb2
-from specmesh_services.embedded import EmbeddedMesh
-from threaded import gateway_apis, served
+from threaded import served_mesh
 
 EXAMPLES = 60
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
@@ -39,14 +38,7 @@ def mesh(base_settings, compute):
     mesh_settings = base_settings.with_overrides(drafters=["layers:4"], max_tokens_limit=4,
                                                  max_tokens_default=4,
                                                  **{"speculation.depth": 2})
-
-    async def serve(publish, stop):
-        async with EmbeddedMesh.start(mesh_settings, compute) as m, \
-                gateway_apis(m) as (port, http_port):
-            publish((port, http_port, m, asyncio.get_running_loop()))
-            await stop.wait()
-
-    with served(serve) as value:
+    with served_mesh(mesh_settings, compute) as value:
         yield value
 
 

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from specmesh_services.embedded import EmbeddedMesh
+from specmesh_services.launch.embedded import EmbeddedMesh
 from test_lossless_greedy import assert_target_tokens  # noqa: E402  (tests/ is on the path)
 
 NUM_REQUESTS = 32

@@ -5,7 +5,7 @@ full depth, so most of each tree is accepted: long accepted paths, dropped sibli
 tokens every step (partial rejection is covered by test_kv_rollback and the stack test)."""
 import asyncio
 
-from specmesh_services.embedded import EmbeddedMesh
+from specmesh_services.launch.embedded import EmbeddedMesh
 
 NUM_QUESTIONS = 20
 MAX_TOKENS = 64

@@ -12,16 +12,10 @@ from google.protobuf.descriptor import FieldDescriptor
 
 from specmesh import Client, InvalidRequest
 from specmesh.v1 import (common_pb2, datastore_pb2, drafter_pb2, drafter_pb2_grpc, gateway_pb2,
-                         gateway_pb2_grpc, router_pb2, router_pb2_grpc, verifier_pb2)
-from specmesh_gateway.requests import ServedModel
-from specmesh_gateway.servicer import SERVICE_NAME as GATEWAY, GatewayServicer
-from specmesh_services.common.rpc import LocalStub, start_server
+                         router_pb2, router_pb2_grpc, verifier_pb2)
 from specmesh_services.common.sampling import FLOAT_FIELDS, SamplingParams
 from specmesh_services.drafter.engine import DraftJob, check_job
-from specmesh_services.drafter.servicer import SERVICE_NAME as DRAFTER
-from specmesh_services.embedded import EmbeddedMesh
-from specmesh_services.router.servicer import SERVICE_NAME as ROUTER, RouterServicer
-from threaded import served
+from threaded import served_mesh
 
 BAD = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 PROMPT = "The capital of France is"
@@ -94,24 +88,7 @@ def mesh_port(base_settings, compute):
     """Port of a gRPC server with an embedded mesh's gateway, router and drafter servicers; the
     mesh and the server run on their own event loop in a thread."""
     settings = base_settings.with_overrides(drafters=["layers:4"], **{"speculation.depth": 2})
-
-    async def serve(publish, stop):
-        async with EmbeddedMesh.start(settings, compute) as mesh:
-            router = mesh.router
-            served = ServedModel(settings.model, router.tokenizer, router.target.context_length,
-                                 settings.max_tokens_default, settings.max_tokens_limit)
-            router_servicer = RouterServicer(router)
-            server, bound = await start_server([
-                (gateway_pb2_grpc.add_GatewayServicer_to_server,
-                 GatewayServicer(LocalStub(router_servicer), served), GATEWAY),
-                (router_pb2_grpc.add_RouterServicer_to_server, router_servicer, ROUTER),
-                (drafter_pb2_grpc.add_DrafterServicer_to_server, mesh.drafter, DRAFTER),
-            ], "127.0.0.1", 0)
-            publish(bound)
-            await stop.wait()
-            await server.stop(None)
-
-    with served(serve) as port:
+    with served_mesh(settings, compute, backends=True) as (port, *_):
         yield port
 
 

@@ -12,8 +12,7 @@ import openai
 import pytest
 
 from specmesh import Client
-from specmesh_services.embedded import EmbeddedMesh
-from threaded import gateway_apis, served
+from threaded import served_mesh
 
 PROMPT = "The capital of France is"
 QUESTION = "Name three colours."
@@ -25,15 +24,8 @@ KEY = "test-key-123"
 def ports(base_settings, compute):
     """(gRPC port, HTTP port) of one embedded mesh's gateway; the HTTP API wants KEY."""
     settings = base_settings.with_overrides(drafters=["layers:4"], **{"speculation.depth": 3})
-
-    async def serve(publish, stop):
-        async with EmbeddedMesh.start(settings, compute) as mesh, \
-                gateway_apis(mesh, frozenset({KEY})) as ports:
-            publish(ports)
-            await stop.wait()
-
-    with served(serve) as value:
-        yield value
+    with served_mesh(settings, compute, frozenset({KEY})) as (grpc_port, http_port, *_):
+        yield grpc_port, http_port
 
 
 @pytest.fixture(scope="module")

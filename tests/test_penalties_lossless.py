@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specmesh_services.common import models
-from specmesh_services.embedded import EmbeddedMesh
+from specmesh_services.launch.embedded import EmbeddedMesh
 
 QUESTIONS = [0, 1, 2]
 MAX_TOKENS = 28

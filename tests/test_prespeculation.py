@@ -9,7 +9,7 @@ import pytest
 
 from specmesh_services.common.tree import TokenTree
 from specmesh_services.drafter.engine import DraftJob, DraftModel
-from specmesh_services.embedded import EmbeddedMesh
+from specmesh_services.launch.embedded import EmbeddedMesh
 
 from test_lossless_greedy import assert_target_tokens, messages
 

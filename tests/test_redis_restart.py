@@ -8,9 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from specmesh import Client
-from specmesh_services.common.procs import free_port
-from specmesh_services.common.redis_server import RedisServer
-from specmesh_services.stack import Stack
+from specmesh_services.launch.procs import free_port
+from specmesh_services.launch.redis_server import RedisServer
+from specmesh_services.launch.stack import Stack
 
 
 @pytest.fixture(scope="module")

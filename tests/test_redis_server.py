@@ -10,8 +10,8 @@ import time
 import pytest
 import redis
 
-from specmesh_services.common.procs import orphan_guard, pid_alive
-from specmesh_services.common.redis_server import RedisServer, find_redis_server
+from specmesh_services.launch.procs import orphan_guard, pid_alive
+from specmesh_services.launch.redis_server import RedisServer, find_redis_server
 
 
 def test_find_redis_server_returns_an_executable():
@@ -76,7 +76,7 @@ def test_a_killed_parent_takes_its_redis_server_along(tmp_path):
     pid_file = tmp_path / "pid"
     parent = subprocess.Popen([sys.executable, "-c", (
         "import pathlib, sys, time\n"
-        "from specmesh_services.common.redis_server import RedisServer\n"
+        "from specmesh_services.launch.redis_server import RedisServer\n"
         "server = RedisServer()\n"
         "server.start()\n"
         f"pathlib.Path({str(pid_file)!r}).write_text(str(server.process.pid))\n"

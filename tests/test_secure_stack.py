@@ -11,8 +11,8 @@ import openai
 import pytest
 
 from specmesh import Client, Unauthenticated, Unavailable
-from specmesh_services.common.procs import free_port
-from specmesh_services.stack import Stack
+from specmesh_services.launch.procs import free_port
+from specmesh_services.launch.stack import Stack
 from test_lossless_greedy import assert_target_tokens  # noqa: E402  (tests/ is on the path)
 
 QUESTIONS = 2

@@ -25,8 +25,8 @@ import redis
 
 from otlp import Collector
 from specmesh_services.common import cores
-from specmesh_services.common.procs import free_port
-from specmesh_services.stack import Stack
+from specmesh_services.launch.procs import free_port
+from specmesh_services.launch.stack import Stack
 from specmesh import AsyncClient, Client, InvalidRequest
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from test_lossless_greedy import assert_target_tokens  # noqa: E402  (tests/ is on the path)

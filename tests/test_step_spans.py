@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from bench.step_time import Probe, TimedExecutor, span_recorder, split
-from specmesh_services.embedded import EmbeddedMesh
+from specmesh_services.launch.embedded import EmbeddedMesh
 
 PROMPTS = ["The capital of France is", "def add(a, b):"]
 

@@ -1,6 +1,6 @@
 """The supervisor's backoff: 1 s, doubling per death in a row up to 30 s, per role, back to
 1 s once a child served for a minute."""
-from specmesh_services.supervisor import Backoff
+from specmesh_services.launch.supervisor import Backoff
 
 
 def test_restart_delays_double_per_role_and_reset_after_a_healthy_minute():

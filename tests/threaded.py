@@ -39,22 +39,29 @@ def served(serve: Callable[[Callable[[object], None], asyncio.Event], Awaitable[
 
 
 @contextlib.asynccontextmanager
-async def gateway_apis(mesh, api_keys: frozenset[str] = frozenset()):
-    """An embedded mesh's gateway over real gRPC and HTTP on free ports: (grpc port, http port)."""
-    from specmesh.v1 import gateway_pb2_grpc
+async def gateway_apis(mesh, api_keys: frozenset[str] = frozenset(), backends: bool = False):
+    """An embedded mesh's gateway over real gRPC and HTTP on free ports: (grpc port, http port).
+    With `backends`, the gRPC port serves the mesh's router and drafter servicers too."""
+    from specmesh.v1 import drafter_pb2_grpc, gateway_pb2_grpc, router_pb2_grpc
     from specmesh_gateway import http
     from specmesh_gateway.requests import ServedModel
     from specmesh_gateway.servicer import SERVICE_NAME, GatewayServicer
     from specmesh_services.common.rpc import LocalStub, start_server
-    from specmesh_services.router.servicer import RouterServicer
+    from specmesh_services.drafter.servicer import SERVICE_NAME as DRAFTER
+    from specmesh_services.router.servicer import SERVICE_NAME as ROUTER, RouterServicer
 
-    router, settings = mesh.router, mesh.settings
-    model = ServedModel(settings.model, router.tokenizer, router.target.context_length,
-                        settings.max_tokens_default, settings.max_tokens_limit)
-    servicer = GatewayServicer(LocalStub(RouterServicer(router)), model)
-    server, grpc_port = await start_server(
-        [(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer, SERVICE_NAME)],
-        "127.0.0.1", 0)
+    router = mesh.router
+    model = ServedModel.from_settings(mesh.settings, router.tokenizer,
+                                      router.target.context_length)
+    router_servicer = RouterServicer(router)
+    servicer = GatewayServicer(LocalStub(router_servicer), model)
+    services = [(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer, SERVICE_NAME)]
+    if backends:
+        services.append((router_pb2_grpc.add_RouterServicer_to_server, router_servicer, ROUTER))
+        if mesh.drafter is not None:
+            services.append((drafter_pb2_grpc.add_DrafterServicer_to_server, mesh.drafter,
+                             DRAFTER))
+    server, grpc_port = await start_server(services, "127.0.0.1", 0)
     http_port, stop_http = await http.serve(http.create_app(servicer, api_keys=api_keys),
                                             "127.0.0.1", 0)
     try:
@@ -62,3 +69,20 @@ async def gateway_apis(mesh, api_keys: frozenset[str] = frozenset()):
     finally:
         await stop_http()
         await server.stop(None)
+
+
+@contextlib.contextmanager
+def served_mesh(settings, executor, api_keys: frozenset[str] = frozenset(),
+                backends: bool = False) -> Iterator[tuple]:
+    """An embedded mesh with its gateway_apis, on its own event loop in a thread, for a
+    module-scoped fixture: yields (grpc port, http port, the mesh, its event loop)."""
+    from specmesh_services.launch.embedded import EmbeddedMesh
+
+    async def serve(publish, stop):
+        async with EmbeddedMesh.start(settings, executor) as mesh, \
+                gateway_apis(mesh, api_keys, backends) as (grpc_port, http_port):
+            publish((grpc_port, http_port, mesh, asyncio.get_running_loop()))
+            await stop.wait()
+
+    with served(serve) as value:
+        yield value

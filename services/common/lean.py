@@ -2,21 +2,12 @@
 machinery, shared by the drafter (draft models over per-request buffers) and the verifier (the
 target over the paged KV store).
 
-Why: at a few rows per call a forward's time is the weights' bytes plus a fixed cost per
-operation, and transformers' modules spend a large part of it outside the matrix products
-(docs/decisions/lean-draft-forward.md, docs/decisions/lean-target-forward.md).
-
-`LeanDecoder` runs the same computation as transformers' Llama / Qwen2 decoder with:
-- q/k/v and gate/up fused into one product each where the layers have the same kind of weights
-  (`fuse_key`: a native target keeps a 4-bit q/k next to a 6-bit v as two products),
-- rotary embeddings applied to q and k together, once per layer,
-- attention through a caller's function (`Attend`): it stores the new keys and values where its
-  caller keeps them and returns the attention output, so the same loop serves both KV layouts,
-- the final hidden states of the rows that get logits returned with them (draft heads need them).
-
-Its numbers equal transformers' forward up to float rounding (fused products, `F.rms_norm`),
-which tests/test_lean_draft.py and tests/test_lean_target.py bound. `supports` says why an
-architecture is not covered; callers then keep transformers' forward.
+`LeanDecoder` computes what transformers' decoder does, with q/k/v and gate/up fused where the
+weights are of one kind (`fuse_key`), rotary embeddings on q and k together, attention through
+the caller's `Attend` (it stores K/V in the caller's layout) and the final hidden states of the
+logit rows returned for draft heads; its numbers equal transformers' up to float rounding
+(tests/test_lean_draft.py, tests/test_lean_target.py). `supports` says why an architecture is
+not covered. Why not transformers' forward: docs/decisions/lean-target-forward.md.
 """
 from __future__ import annotations
 

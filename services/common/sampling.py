@@ -1,18 +1,13 @@
 """Sampling parameters and the per-position sampler applied to the target's logits.
 
-Processing order (as HF `generate`): penalties (repetition over prompt + generated tokens, then
-presence / frequency over generated tokens), then temperature, top-k, top-p; at temperature 0 the
-argmax of the penalized logits. Penalties depend only on the tokens before the sampled position
-(the history), so the walk stays lossless as long as it passes the path's own history.
-
-Randomness is counter-based: the draw for output position p of a request is the Gumbel-max
-(exponential race) of the processed distribution under random numbers seeded with (request
-seed, p): argmax_i probs_i / E_i with E_i ~ Exp(1) (`race_weights`). The same seed therefore
-gives the same tokens whatever the tree shape, the drafter, or which verifier replica
-(re-)verifies a step, and draws at different positions are independent, which the lossless
-walk needs. A drafter given the same seed races its own distribution with the same E (coupled
-drafting, `coupled_scores`): its token is the target's whenever the two races agree, which
-happens at least (1 - TV) / (1 + TV) of the time (TV the total variation distance).
+Processing order as HF `generate`: penalties (repetition over prompt + generated tokens, then
+presence / frequency over generated tokens), temperature, top-k, top-p; argmax at temperature 0.
+Randomness is counter-based: the draw for output position p is the Gumbel-max (exponential
+race) of the processed distribution under random numbers seeded with (request seed, p)
+(`race_weights`), so a seed gives the same tokens whatever the tree, drafter or verifier
+replica, and positions draw independently, as the lossless walk needs. A drafter racing its own
+distribution with the same numbers (`coupled_scores`) drafts the target's token whenever the
+races agree (docs/decisions/coupled-drafting.md).
 """
 from __future__ import annotations
 

@@ -1,12 +1,11 @@
 """Stopping the background loops of a service (the verifier's pool loops, the router's result
 dispatcher) for sure.
 
-One `Task.cancel()` is not enough on Python 3.11: `asyncio.wait_for` returns the result, and
-drops the cancellation, when its inner call completes in the same loop turn as the cancel, and
-redis-py sends every command through `wait_for` (its default 5 s socket timeout). A loop
-cancelled while a Redis command is on the wire then simply goes on: measured with redis-py 8.1
-on Python 3.11.7, 185 of 300 cancels of a task looping on XLEN were lost (fixed in 3.12's
-`wait_for`). `stop` cancels again until the tasks have ended."""
+One `Task.cancel()` is not enough on Python 3.11: `asyncio.wait_for` drops a cancellation that
+lands as its inner call completes, and redis-py sends every command through `wait_for`, so a
+loop cancelled while a Redis command is on the wire goes on (docs/reliability.md, Drain on
+SIGTERM). `stop` cancels again until the tasks have ended.
+"""
 import asyncio
 import logging
 from collections.abc import Iterable

@@ -102,8 +102,7 @@ class EmbeddedMesh:
                         drafter_prefill={m.name: m.prefill_token_seconds for m in drafts},
                         pipelined=placement.split,
                         metrics=RouterMetrics(registry, settings.model))
-        served = ServedModel(settings.model, tokenizer, target.context_length,
-                             settings.max_tokens_default, settings.max_tokens_limit)
+        served = ServedModel.from_settings(settings, tokenizer, target.context_length)
         gateway = LocalStub(GatewayServicer(LocalStub(RouterServicer(router)), served))
         worker.start()
         router.start()

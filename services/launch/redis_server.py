@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from urllib.parse import quote
 
-from specmesh_services.common.procs import free_port, orphan_guard
+from specmesh_services.launch.procs import free_port, orphan_guard
 
 START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 5.0

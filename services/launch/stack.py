@@ -28,10 +28,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specmesh_services.common import cores, models, security
 from specmesh_services.common.config import Settings
 from specmesh_services.common.drafts import model_specs, serves_drafter
-from specmesh_services.common.procs import free_port, orphan_guard, pid_alive
 from specmesh_services.drafter.models import DraftSpec
-from specmesh_services.supervisor import supervise
+from specmesh_services.launch.procs import free_port, orphan_guard, pid_alive
+from specmesh_services.launch.supervisor import supervise
 
+CLI_MODULE = "specmesh_services.launch.cli"  # children run `python -m CLI_MODULE ...`
 START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 45.0  # the supervisor's own stop: the children's drain (drain_s + 5) + redis
 
@@ -110,7 +111,7 @@ class Stack:
                 "tls.cert_file": pki.cert, "tls.key_file": pki.key, "tls.ca_file": pki.ca,
                 "tls.mutual": True, "gateway.api_keys_file": self.api_key_file()})
         if settings.redis_url is None:
-            from specmesh_services.common.redis_server import RedisServer
+            from specmesh_services.launch.redis_server import RedisServer
 
             self.redis = RedisServer(log_path=self.log_dir / "redis.log", tls=pki,
                                      password=secrets.token_urlsafe(24) if pki else None)
@@ -150,7 +151,7 @@ class Stack:
             env["OMP_NUM_THREADS"] = str(placement.threads(role))
         log = self.log_dir / f"{name or role}.log"
         out = open(log, "a" if append else "w")
-        command = [*orphan_guard(), sys.executable, "-m", "specmesh_services.cli", "serve", role]
+        command = [*orphan_guard(), sys.executable, "-m", CLI_MODULE, "serve", role]
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, env=env)
         out.close()
@@ -321,7 +322,7 @@ def _up_detached(settings: Settings, port: int, state: Path, secure: bool,
     log = state.parent / "up.log"
     env = {**os.environ, **settings_env(settings)}
     with open(log, "w") as out:
-        command = [sys.executable, "-m", "specmesh_services.cli", "up", "--port", str(port),
+        command = [sys.executable, "-m", CLI_MODULE, "up", "--port", str(port),
                    "--verifiers", str(verifiers), "--routers", str(routers),
                    "--drafting", str(drafting),
                    *(["--secure"] if secure else [])]
@@ -405,7 +406,7 @@ def down(settings: Settings) -> int:
 
 def _is_specmesh(pid: int) -> bool:
     try:
-        return pid_alive(pid) and b"specmesh_services.cli" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return pid_alive(pid) and CLI_MODULE.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return pid_alive(pid)  # no /proc (not Linux): trust the state file
 

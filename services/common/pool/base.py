@@ -1,16 +1,11 @@
 """The pool contract, shared by the Redis and in-memory implementations.
 
-Flow of one step: the router `submit`s a DraftEntry; one verifier `take`s it (or, if a verifier
-took it and died without acknowledging, another `claim_stale`s it after an idle time); the
-verifier `complete`s it: atomically, if the request's generated-token count still equals the
-entry's `base_len`, the new tokens are appended to the request state, the VerifyResult is
-published to the router named in `reply_to`, and the entry is acknowledged. A duplicate (already
-acknowledged) entry is dropped. A stale one (the request's count moved on: another router
-resuming the request, or a copy of the step, applied it first) is acknowledged and its router
-gets a VerifyResult with `stale` set, so it re-reads the request's tokens instead of waiting. Routers read their results with `results`. When a request
-ends, `delete_request` drops its state and announces the id on the release feed, which every
-verifier follows (`releases`) to free its KV cache. A draft delivered too many times without
-being completed (each verifier that took it died or failed on it) is `dead_letter`ed.
+One step: the router `submit`s a DraftEntry, one verifier `take`s it (or `claim_stale`s one a
+dead verifier left unacknowledged) and `complete`s it: atomically, if the request's token count
+still equals the entry's `base_len`, append the tokens, publish the VerifyResult to `reply_to`
+and acknowledge; a duplicate is dropped, a stale one answered with `stale` set. Routers read
+`results`; `delete_request` announces the end on the release feed (`releases`); a draft
+delivered too often is `dead_letter`ed. In full: docs/architecture.md, The pool.
 """
 from __future__ import annotations
 

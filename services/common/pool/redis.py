@@ -1,24 +1,12 @@
 """The Redis pool: the `Pool` contract (see base.py) on Redis streams and consumer groups.
 
-Key layout, all under `prefix` (default "specmesh"), written as `{p}`:
-
-    {p}:req:{rid}           hash  `state` = serialized RequestState, `ttl_ms` = its idle expiry
-    {p}:tok:{rid}           string, generated token ids as packed little-endian int32, grown with
-                            APPEND (count = STRLEN / 4); both keys expire after `ttl_ms` and the
-                            expiry is refreshed by every applied `complete`
-    {p}:drafts              stream of DraftEntry, consumer group `verifiers` (one consumer per
-                            verifier); acknowledged entries are deleted, so XLEN = pending
-    {p}:results:{router}    stream of VerifyResult for one router, consumer group `routers`
-                            (consumer = router id), acknowledged as soon as read, MAXLEN ~ 10000
-    {p}:dead                stream of drafts given up on (`dead_letter`): data, reason and
-                            deliveries, MAXLEN ~ 10000
-    {p}:releases            stream of released request ids (broadcast: plain XREAD from a cursor),
-                            MAXLEN ~ 10000
-
-Every stream entry has a field `data` (protobuf bytes; the request id for releases).
-`complete` is one Lua script, so the check-append-publish-acknowledge step is atomic; a
-duplicate entry is dropped, a stale one acknowledged with a stale reply to its router. Groups are created on first use (MKSTREAM, id 0)
-and again if Redis lost them (NOGROUP), so a restarted Redis only loses in-flight work.
+All keys live under `prefix` (default "specmesh"): per request a state hash and a string of
+generated token ids (packed int32, grown with APPEND, both expiring after the request's idle
+ttl); the drafts stream (consumer group `verifiers`), one results stream per router (group
+`routers`), the dead-letter and the release streams. The layout in full: docs/architecture.md,
+The pool. `complete` is one Lua script, so check-append-publish-acknowledge is atomic; groups
+are created on first use and again if Redis lost them (NOGROUP), so a restarted Redis only
+loses in-flight work.
 """
 from __future__ import annotations
 
