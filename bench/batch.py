@@ -1,21 +1,9 @@
-"""Throughput under concurrent requests, and padded vs packed batched verification.
-
-One process run per invocation, the same prompts for every method (MT-Bench first turns + a few
-HumanEval problems, chat template, greedy, 128 new tokens):
-  plain     transformers `generate` of the target on batches of c prompts (left-padded,
-            attention_mask, do_sample=False); c = 1 is the reference output
-  specmesh  the embedded mesh (services/embedded.py), the N prompts sent with at most c in flight,
-            `verifier.batch_size` = c, a layer-truncated draft of the target (DRAFTS)
-Per model x dtype x c: aggregate tok/s of both, speedup, mean accepted length (tokens per target
-pass, bonus counted), trees per verifier pass, outputs identical to plain batch-1. At batch 8: ms
-per step of the engine's packed (ragged) verification vs the conventional padded batched HF
-forward of the same trees over a padded DynamicCache, rows computed, argmax agreement.
+"""Throughput under 1 / 4 / 8 concurrent requests (the embedded mesh vs plain batched `generate`),
+and packed vs padded batched verification at batch 8 (docs/benchmarks/scripts.md).
 
     python -m bench.batch                                  # both models, bf16, c = 1,4,8 (~30 min)
     python -m bench.batch --models smollm2-135m --quick    # smoke run, < 3 min
-    python -m bench.batch --dtype both --draft qwen2.5-coder-0.5b=layers:16
-Writes bench/results/batch.json and .md. Run it alone on the machine: timings of two
-torch processes sharing the cores mean nothing.
+Writes bench/results/batch.json and .md. Run it alone on the machine.
 """
 from __future__ import annotations
 
@@ -104,7 +92,7 @@ def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:  # rows are padde
 
 # --- specmesh with c requests in flight ----------
 def run_specmesh(config: Config, prompts: list[Prompt], c: int, compute: Executor) -> dict:
-    from specmesh_services.embedded import EmbeddedMesh
+    from specmesh_services.launch.embedded import EmbeddedMesh
 
     async def one(mesh, prompt: Prompt, limit: asyncio.Semaphore, bar):
         async with limit:

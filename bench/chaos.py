@@ -1,14 +1,10 @@
 """Chaos: concurrent streams through a stack of replicas while a random service is SIGKILLed
-every few seconds and started again on its ports (as `specmesh up` does); every output must
-equal the stack's own undisturbed output for its prompt, token for token.
-
-One process is down at a time (the next kill waits until the last victim serves again), which
-is what the mesh promises to survive. Victims: verifiers, routers, the drafter, the datastore;
-not the gateway (its clients reconnect) nor Redis (tests/test_redis_restart.py).
+every few seconds and started again on its ports; every output must equal the stack's own
+undisturbed output for its prompt, token for token (docs/benchmarks/scripts.md).
 
     python -m bench.chaos                                  # 16 streams, a kill every 10 s, 5 min
     python -m bench.chaos --concurrency 4 --seconds 60 --kill-every-s 6 --tag small
-Writes bench/results/chaos-<tag>.json and .md. `tests/test_stack.py` runs it at a small scale.
+Writes bench/results/chaos-<tag>.json and .md.
 """
 from __future__ import annotations
 

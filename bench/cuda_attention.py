@@ -1,21 +1,8 @@
-"""One layer's tree attention on a GPU: the Triton kernel (one launch), the triton backend's attend
-(split-KV beyond SPLIT_KV_MIN positions) and the torch backend's attend (tree_attention_torch),
-on one verifier-like batch per head shape: 8 segments of 1..16 query rows (random trees, two one-row
-decode steps) over about 1024 positions of context each, bf16. The TreeBatch is built once, as
-the verifier builds it once per forward for all layers; CUDA events time `--iters` calls after
-`--warmup`, reported as microseconds per call (mean over the timed calls, best of `--repeats`).
+"""One layer's tree attention on a GPU: the Triton kernel, the triton backend's attend (split-KV
+beyond SPLIT_KV_MIN positions) and the torch backend's, microseconds per call on a verifier-like
+batch; `--sweep`: where the split-KV path pays (docs/benchmarks/scripts.md).
 
     python -m bench.cuda_attention [--json results.json]
-
-`--sweep` asks when the triton backend's split-KV path pays: contexts 512 .. 16384; batches of 8
-segments, uniform (all at the context) or skewed (one at the context, seven at 256), each of
-one-row decode segments or of the 1..16-row trees above; one tree-attention launch against the
-backend's split path (min_kv=0) at chunk sizes 512 .. 4096 (split only where the longest segment
-exceeds the chunk). Every timed call cycles through enough per-layer KV caches (>= 128 MiB together)
-that K/V come from HBM rather than L2, as in a forward over layers; "eager" is us per call of
-back-to-back Python calls (host launch cost included where it dominates), "graph" the same calls
-captured in a CUDA graph and replayed (device time alone).
-
     python -m bench.cuda_attention --sweep [--json sweep.json]
 """
 from __future__ import annotations

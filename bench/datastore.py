@@ -1,27 +1,10 @@
-"""The lookup datastore (SSSD) as a drafter: build cost, acceptance, lookup latency, end to end.
-
-One process run, the same prompts for every method (MT-Bench first turns, chat template, and
-HumanEval problems, raw; greedy, 128 new tokens):
-  build     the datastore of the target's tokenizer family (ShareGPT V3): build time, tokens,
-            size on disk (built here if missing)
-  quality   SmolLM2-135M target: mean accepted length (tokens per target pass, bonus counted) of
-            specmesh with the datastore as the only drafter vs transformers prompt lookup
-            decoding, both with the same number of draft nodes per step (N, default 10: HF's
-            prompt_lookup_num_tokens = N, specmesh speculation.max_nodes = depth = N); plus tok/s,
-            speedup vs plain and outputs identical to plain, overall and per kind (chat / code)
-  latency   the lookup engine alone on the full datastore: time per sequence of a batched
-            lookup (one call for b requests / b) at b = 1, 8, 32, p50 and p99 over many calls
-            of requests advancing through their real continuations; warm (calls back to back)
-            and cold (a 256 MB array read before each call, as a served step's forward pass
-            evicts the caches between two lookups)
-  e2e       (--e2e) Qwen2.5-Coder-1.5B target, batch 1: tok/s of plain vs specmesh with the
-            datastore only and with datastore + the 0.5B draft merged
+"""The lookup datastore (SSSD) as a drafter: build cost, accepted length against HF prompt lookup
+with the same node budget, lookup latency, and (--e2e) the 1.5B target end to end
+(docs/benchmarks/scripts.md).
 
     python -m bench.datastore                       # build + quality + latency (~30 min here)
     python -m bench.datastore --e2e                 # + the 1.5B end-to-end run (hours on 2 cores)
-    python -m bench.datastore --e2e-only --e2e-mtbench 16 --e2e-humaneval 8   # add it later
     python -m bench.datastore --quick               # smoke run: 6 prompts x 32 tokens
-    python -m bench.datastore --latency-only        # latency alone (continuations: the prompts')
 Writes bench/results/datastore.json and .md. Run it alone on the machine.
 """
 from __future__ import annotations

@@ -1,28 +1,10 @@
-"""Draft heads served by the verifier, beside the mesh's other sources and plain decoding: one
-process, the same prompts (MT-Bench first turns + HumanEval), greedy, each mode's run bracketed
-by plain runs (these hosts drift: every ratio is to the mean of the two plain runs around it).
-
-  plain            speculation off (depth 0)
-  default          the serving defaults (the model's default source)
-  heads            the verifier's draft heads alone (`--draft heads`)
-  heads+datastore  heads and the lookup datastore, their trees merged (`--source both`)
-
-Per mode and batch: tok/s, the ratio to plain, tokens per target step (accepted length + 1),
-tree nodes per step, and the heads' drafting time per verifier step. Every output is checked
-against plain decoding's (greedy: identical token ids).
+"""Draft heads served by the verifier, beside the mesh's other sources and plain decoding, each
+mode bracketed by plain runs; `--hop` what a heads service of its own would add a step
+(docs/benchmarks/scripts.md).
 
     python -m bench.heads                                  # SmolLM2, batches 1 and 8
     python -m bench.heads --heads heads:/path/to/heads --modes heads --batches 1
-    python -m bench.heads --hop       # what a drafter service for the heads would add a step
-    python -m bench.heads --accuracy heads-3 heads-3-ungrounded   # figure 2 on the prompts
-    python -m bench.heads --draft-time   # one tree's drafting time by weights and frontier
-    python -m bench.heads --modes heads --batches 4 --prune off 4:50 4:100   # ProPD Table 2
 Writes bench/results/heads-<model>[-<tag>].json and .md.
-
-`--hop` times the alternative to drafting inside the verifier: the heads in a service of their
-own, the router calling it with the last accepted token's hidden state once the result is in
-(a real gRPC round trip on this host, request = the hidden state's bytes, reply = an 8-node
-tree), to set beside the heads' own time per step measured here.
 """
 from __future__ import annotations
 

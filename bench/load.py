@@ -92,9 +92,9 @@ def chat_prompts(count: int) -> list[Prompt]:
 def running_stack(settings, routers: int, verifiers: int) -> Iterator[tuple[object, str, object]]:
     """The multi-process stack (what `specmesh up` runs) over a private Redis with AOF:
     (the Stack, the gateway's address, the RedisServer)."""
-    from specmesh_services.common.procs import free_port
-    from specmesh_services.common.redis_server import RedisServer
-    from specmesh_services.stack import Stack
+    from specmesh_services.launch.procs import free_port
+    from specmesh_services.launch.redis_server import RedisServer
+    from specmesh_services.launch.stack import Stack
 
     with RedisServer(appendonly=True) as redis, tempfile.TemporaryDirectory() as logs:
         stack = Stack(settings.with_overrides(redis_url=redis.url), free_port(), Path(logs),

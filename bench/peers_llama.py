@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from specmesh_services.common import models
-from specmesh_services.common.procs import free_port
+from specmesh_services.launch.procs import free_port
 
 TARGETS = ("llama-server", "llama-bench", "llama-batched-bench", "llama-speculative")
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON",

@@ -6,8 +6,9 @@
 job: {"model", "dtype", "prompts": [[token ids]], "max_tokens", "batches": [1, 8],
       "max_model_len", "speculative": null | vLLM's speculative_config}
 result: {"vllm": version, "runs": [{"batch", "tokens": [[ids]], "seconds": [per request],
-         "wall": s, "drafted", "accepted": draft tokens (speculative modes)}]}; greedy, the prompts given as ids. Batch 1 sends one prompt per
-`generate` call; batch c gives all prompts to one call with at most c sequences running.
+         "wall": s, "drafted", "accepted": draft tokens (speculative modes)}]}; greedy, the
+prompts given as ids. Batch 1 sends one prompt per `generate` call; batch c gives all prompts
+to one call with at most c sequences running.
 Prefix caching is off: no engine here reuses an earlier request's prefill.
 """
 import json

@@ -1,38 +1,12 @@
-"""The router's mechanisms, one added at a time (Minions figure 10 / SPIN figure 11 style),
-plus LBSS against SPIN's two selection baselines.
-
-One process run per model x dtype, the same prompts for every method (MT-Bench first turns, one
-question per category first, and HumanEval problems; greedy, 128 new tokens), at batch 1 (one
-request at a time) and c concurrent requests (`verifier.batch_size` = c):
-
-  plain              transformers `generate` (batch 1: one prompt at a time; c: batches of c)
-  hf-assisted        transformers assisted generation with the first draft (batch 1 only)
-  hf-prompt-lookup   transformers prompt lookup decoding, 10 tokens (batch 1 only)
-  mesh-plain         the mesh with speculation off (depth 0): the cost of plain decoding
-                     through router + pool + verifier, what adaptive sizing's "off" is held to
-  fixed              one draft model, the configured chain every step, no pipeline
-  default            one draft model with the serving defaults: ProPD tree size, pipeline (what
-                     `specmesh up` runs, at this run's depth and confidence stop)
-  +voting            both draft models and the datastore draft, the majority path is verified
-  +bandit            LBSS chooses per request: the datastore, either model, or the vote
-  +adaptive          + the tree size per request and step (ProPD), 0 = plain step
-  +pipeline          + micro-batched drafting and back-pressure (the full router)
-  greedy / epsilon   the full router with SPIN's baselines instead of LBSS
-  minions-length     the full router with Minions' adaptive length instead of ProPD's size
-
-Per method: tok/s, speedup vs plain, accepted length (tokens per target pass, bonus counted)
-overall and per prompt class (writing, roleplay, reasoning, math, coding, extraction, stem,
-humanities, code = HumanEval), per-class speedup at batch 1, outputs identical to plain.
-Plain decoding is timed again after every specmesh method, and each method's speedup is taken
-against the mean of the plain runs just before and after it (`--no-bracket`: once per batch
-size), since a shared machine's speed drifts over a run of several minutes.
+"""The router's mechanisms, one added at a time (Minions figure 10 / SPIN figure 11 style), plus
+LBSS against SPIN's two selection baselines, at batch 1 and c concurrent, each method's speedup
+against the plain runs bracketing it (the methods: docs/benchmarks/scripts.md).
 
     python -m bench.router                                   # SmolLM2-135M, auto dtype
-    python -m bench.router --model qwen2.5-coder-1.5b --dtype bfloat16 \
+    python -m bench.router --model qwen2.5-coder-1.5b --dtype bfloat16 \\
         --drafts qwen2.5-coder-0.5b@auto layers:8
     python -m bench.router --quick                           # smoke run: 4 prompts x 32 tokens
-Writes bench/results/router-<model>-<dtype>[-<tag>].json and .md. Run it alone on the
-machine.
+Writes bench/results/router-<model>-<dtype>[-<tag>].json and .md. Run it alone on the machine.
 """
 from __future__ import annotations
 
@@ -93,7 +67,7 @@ def served_config(model: str, dtype: str, target_weights: str, draft: str, compu
                   **fields) -> Config:
     """A run's Config: the dtype resolved, and the target's weights as `specmesh up` serves them
     with this dtype (probed on the compute thread: the int4 probe is a torch op, and a second
-    thread's OpenMP team halves the speed of every later one, services/embedded.py)."""
+    thread's OpenMP team halves the speed of every later one, services/launch/embedded.py)."""
     weights = compute.submit(served_weights, Settings(model=model, dtype=dtype,
                                                       target_weights=target_weights),
                              models.resolve(model, Settings().cache_dir)).result()
@@ -116,7 +90,7 @@ def run_mesh(config: Config, prompts: list[Prompt], settings: Settings, c: int,
     """The prompts through an embedded mesh with at most c in flight (batch 1: one at a time,
     each timed on its own). `on_start(mesh)` is called after the warm-up, just before the timed
     prompts (instruments of bench.step_time)."""
-    from specmesh_services.embedded import EmbeddedMesh
+    from specmesh_services.launch.embedded import EmbeddedMesh
 
     async def main() -> MethodResult:
         async with EmbeddedMesh.start(settings.with_overrides(**{"verifier.batch_size": c}),

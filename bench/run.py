@@ -1,15 +1,6 @@
-"""Every decoding method on the same prompts in one process run: plain, transformers' assisted
-and prompt-lookup generation, specmesh embedded and as a multi-process stack.
-
-Methods, batch 1, greedy:
-  plain              transformers `generate` of the target (the reference and the baseline)
-  hf-assisted        transformers assisted generation with the same draft model (HF defaults)
-  hf-prompt-lookup   transformers prompt lookup decoding (prompt_lookup_num_tokens=10)
-  specmesh-embedded  specmesh, all roles in this process (in-memory pool)
-  specmesh-stack     specmesh as separate processes over a private Redis (what `specmesh up` runs)
-Reported per method: tok/s, speedup vs plain, mean accepted length (tokens per target forward
-pass, bonus counted), outputs identical to plain's; and the stack/embedded tok/s ratio (the cost
-of distribution for the same algorithm and model).
+"""Every decoding method on the same prompts in one process, batch 1, greedy: plain
+transformers, its assisted and prompt-lookup generation, specmesh embedded and as a multi-process
+stack; tok/s, speedup, accepted length, identical outputs (docs/benchmarks/scripts.md).
 
     python -m bench.run                      # the `methods` suite (4 configurations, ~1.5 h)
     python -m bench.run --model smollm2-135m --draft layers:24 --dtype bfloat16 --mtbench 4
@@ -197,7 +188,7 @@ def mesh_settings(config: Config) -> Settings:
 def run_embedded(config: Config, prompts: list[Prompt], compute: Executor,
                  settings: Settings | None = None, method: str = "specmesh-embedded"
                  ) -> MethodResult:
-    from specmesh_services.embedded import EmbeddedMesh
+    from specmesh_services.launch.embedded import EmbeddedMesh
 
     async def main() -> MethodResult:
         async with EmbeddedMesh.start(settings or mesh_settings(config), compute) as mesh:
@@ -215,9 +206,9 @@ def run_embedded(config: Config, prompts: list[Prompt], compute: Executor,
 
 
 def run_stack(config: Config, prompts: list[Prompt], log_dir: Path) -> MethodResult:
-    from specmesh_services.common.procs import free_port
-    from specmesh_services.common.redis_server import RedisServer
-    from specmesh_services.stack import Stack
+    from specmesh_services.launch.procs import free_port
+    from specmesh_services.launch.redis_server import RedisServer
+    from specmesh_services.launch.stack import Stack
     from specmesh import Client
 
     result = MethodResult("specmesh-stack")

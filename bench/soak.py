@@ -1,12 +1,5 @@
-"""Soak: many concurrent streams for minutes through the multi-process stack (what `specmesh up`
-runs), every output checked against the stack's own output for the prompt taken alone, the
-resident memory of every process sampled throughout.
-
-Reported: requests, errors, identical outputs, tokens/s, time to first token and inter-token
-latency p50/p99 (bench/load.py), and per process the RSS at the start of the load, after the
-warm-up and at the end (growth after the warm-up = a leak). Float32 by default: there a
-request's output does not depend on the requests batched beside it (docs/architecture.md), so
-every output must equal its reference.
+"""Soak: many concurrent streams for minutes through the multi-process stack, every output checked,
+each process's RSS sampled; TTFT and inter-token latency p50/p99 (docs/benchmarks/scripts.md).
 
     python -m bench.soak                                   # 64 streams x 5 min, SmolLM2
     python -m bench.soak --concurrency 8 --seconds 60 --routers 2 --verifiers 2 --tag small

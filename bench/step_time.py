@@ -1,29 +1,11 @@
 """Where a served step's time goes: the target's forward (attention and the rest), the tree walk,
-the verifier's other work, drafting, the router, the pool and in-process hops, the verifier's
-batch-forming wait, and what is left (other); per model, at batch 1 and 8, with speculation at
-the serving defaults and off (depth 0).
-
-The mesh runs embedded as bench.router runs it (its prompts, its `run_mesh`): one process, the
-in-memory pool, in-process calls, all model work on one compute thread. The timed run (first
-timed prompt to last answer) is laid on one timeline from three sources:
-  - the compute thread's jobs (each job's interval, by the service that submitted it);
-  - the services' spans, kept in memory: per request `router.generate` with its `router.draft`
-    and `router.verify` (a tree's round trip through the pool); per verified entry
-    `verifier.verify`, carrying its engine step's forward, walk and batch-wait seconds;
-  - the attention backend's calls inside the forward (summed).
-Each instant goes to the first part active then: compute (forward / walk / verifier other /
-drafting), router (a request's loop outside its draft and verify waits), the verifier's batch
-wait, pool and hops (inside a draft or verify round trip, the compute thread idle); else other.
-So the parts add up to the run's time, and work overlapped by the compute thread (the event loop
-runs beside it on the second core) counts as the compute's. A step is one verifier forward pass;
-ms per step = run time / steps.
+drafting, the router, the pool and hops, the batch-forming wait and the rest, at batch 1 and 8,
+speculation on and off; every instant of the run goes to one part (docs/benchmarks/scripts.md).
 
     python -m bench.step_time                                  # SmolLM2-135M, batch 1 and 8
     python -m bench.step_time --model qwen2.5-coder-1.5b --dtype bfloat16
-    python -m bench.step_time --target-runner transformers     # before/after a target runner
     python -m bench.step_time --quick                          # smoke run: 4 prompts x 32 tokens
-Writes bench/results/step-time-<model>[-<runner>][-quick].json and .md. Run it alone on the
-machine; shares of a step are steadier than milliseconds on a shared one.
+Writes bench/results/step-time-<model>[-<runner>][-quick].json and .md. Run it alone.
 """
 from __future__ import annotations
 

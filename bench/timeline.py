@@ -1,48 +1,16 @@
 """The speculative pipeline on one timeline: each request step's drafting, its tree's wait in the
-pool and its verification, beside the verifier's engine steps; how long the verifier idles and
-how much drafting the requests wait for. Per batch size, with speculation at the serving
-defaults ("default") and off ("mesh-plain", depth 0), as bench.step_time runs them.
-
-The mesh runs embedded as bench.step_time runs it (bench.router's `run_mesh`, its prompts, the
-services' spans kept in memory, the compute thread's jobs timed). The timed window is the first
-timed prompt to the last answer. Per request step (a record in the JSON):
-  - draft: its `router.draft` span (none for a step that drafts no tree), and with
-    pre-speculation the `router.draft_ahead` span of the next tree drafted while it is verified;
-  - queue: from its tree entering the pool (`router.submit`'s start) to the start of the engine
-    step that verified it; the `verifier.verify` span parented on that submit (else the one with
-    the same `specmesh.request_id` and `specmesh.step`) names the step (`specmesh.verifier_step`)
-    and carries its forward and batch-forming wait seconds;
-  - verify: that engine step: the compute thread's verifier-step job inside the step's
-    `verifier.verify` spans (their hull where no job was timed);
-  - pre-speculation: `specmesh.prespeculated` on its `router.draft` or `router.verify` span,
-    "hit", "miss", or "none" where neither carries it.
-Per run:
-  - verifier idle: the share of the window in which no verifier step (verifier-step job) runs;
-  - drafting on the critical path: the share of drafting time (each request's `router.draft`
-    and `router.draft_ahead` spans, their union) during which the request has no tree in the pool or in verification
-    (outside its steps' round trips, `router.submit`'s start to `router.verify`'s end): drafting
-    the request waited for. A loop that drafts, then verifies, then drafts has all of it there;
-    drafting a step ahead while the previous tree is verified (pre-speculation hits) lowers it;
-  - hidden drafting: the share of drafting time that overlaps a running verifier step;
-  - ms per step (a step is one verifier forward pass: window / steps), tok/s, tokens per step,
-    and the speedup (tok/s) over the mesh-plain run of the same batch size.
-And per batch size and mode a Gantt chart of the window's first --window-s seconds: the
-verifier's steps on one lane, each request's draft, queue and verify intervals on its own lane,
-pre-speculation hits and misses marked (matplotlib, the `bench` extra; skipped without it).
+pool and its verification beside the verifier's engine steps; the verifier's idle share, drafting
+on the critical path, pre-speculation hits (definitions: docs/benchmarks/scripts.md).
 
     python -m bench.timeline                                     # SmolLM2-135M, batch 1 and 8
     python -m bench.timeline --model qwen2.5-coder-1.5b --dtype bfloat16 --concurrency 1 8
-    python -m bench.timeline --quick --concurrency 1 2           # smoke run: 4 prompts x 32
     python -m bench.timeline --set router.max_pending_trees=0 --tag no-backpressure
-`--set KEY=VALUE ...` (Settings fields, dotted for sections; values JSON where they parse)
-applies to every run, after the mode's own settings; mesh-plain keeps speculation.depth 0.
-Writes bench/results/timeline-<model>-<dtype>[-<tag>].json and .md, and
-timeline-<model>-b<batch>-<mode>[-<tag>].png beside them (--quick: tag "quick" unless given).
-Run it alone on the machine: others' work stretches the intervals.
+Writes bench/results/timeline-<model>-<dtype>[-<tag>].json, .md and a .png per run. Run it alone.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import sys
@@ -52,7 +20,6 @@ from pathlib import Path
 
 from opentelemetry.sdk.trace import ReadableSpan
 
-from bench.alternate import parse_overrides
 from bench.run import RESULTS, save_report
 from bench.step_time import (Interval, MODES, Probe, add_run_options, host, prepare, run_one,
                              save_quietly, span_recorder, subtract, timed_spans)
@@ -61,6 +28,21 @@ from specmesh_services.common.config import Settings
 PRESPECULATED = "specmesh.prespeculated"
 COLOURS = {"draft": "tab:blue", "queue": "tab:orange", "verify": "tab:green",
            "hit": "tab:red", "miss": "black"}
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """KEY=VALUE items -> {key: value}, each value JSON where it parses (8, 0.5, true, ["a"]),
+    else the string itself; a clear error for an item without '='."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {item!r}")
+        try:
+            out[key.strip()] = json.loads(value.strip())
+        except json.JSONDecodeError:
+            out[key.strip()] = value.strip()
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,22 +1,11 @@
-"""The verifier's step cost as a function of (batch, tree nodes, context length): the curve the
-router will size trees with (SSSD figures 2-3, ProPD's regression of verify time on tree size).
-
-Drives the verifier engine directly with synthetic requests: b requests of L random prompt tokens
-(prefilled once, not timed), each given a tree of n nodes per step (chains or random trees of
-random tokens). Before every step each request is re-loaded at its prompt, so the KV keeps the
-L - 1 prefix rows and the step computes exactly root + tree per request. The median step seconds
-(`engine.last_step`, what the engine's own cost model observes) is reported per cell, and every
-timed step feeds a VerifyCostModel (services/verifier/cost.py, uniform weights here) whose fit
-seconds ~ b0 + b_rows * rows + b_context * context + b_segments * segments is printed with its
-error, plus the SSSD-style cost relative to n = 0 (verifying only the root).
+"""The verifier's step cost as a function of (batch, tree nodes, context length) and the cost
+model fitted to it, the curve the router sizes trees with (SSSD figures 2-3, ProPD's regression;
+how it is measured: docs/benchmarks/scripts.md).
 
     python -m bench.verify_cost                                  # both models, as served
     python -m bench.verify_cost --models smollm2-135m --quick    # smoke run, < 3 min
     python -m bench.verify_cost --tree chain --lengths 256,2048 --batches 1,2,4,8,16
-    python -m bench.verify_cost --runners lean,transformers      # the two target forwards
-The target is loaded as `specmesh up` serves it (`--dtype`, `--target-weights`, and the
-forward of each of `--runners`). Writes bench/results/verify-cost-<model>-<weights>-<runner>
-.json and .md (run it alone on the machine).
+Writes bench/results/verify-cost-<model>-<weights>-<runner>.json and .md.
 """
 from __future__ import annotations
 
