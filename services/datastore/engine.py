@@ -4,9 +4,9 @@ Per request it keeps an InputIndex over the prompt and everything generated so f
 created on the first lookup (`reset`), extended with the accepted tokens of each later call and
 dropped on Release or after `index_ttl_s` without a lookup. A batch is served in three passes:
 update every request's index; look up all requests' last P tokens in the suffix-array datastore
-at once (`continuations_batch`, vectorized over the batch: SSSD 3.1.2 "parallelizing the full
-process over the batch size dimension", done with numpy instead of OpenMP); fuse each request's
-datastore tree and input trees into one draft tree (Algorithm 1).
+at once (`continuations_batch`); fuse each request's datastore tree and input trees into one
+draft tree (Algorithm 1). The batch is searched with numpy, not SSSD's OpenMP
+(docs/decisions/datastore-search.md).
 """
 from __future__ import annotations
 

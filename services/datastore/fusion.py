@@ -1,29 +1,12 @@
 """Weighted continuation trees and their fusion into one draft tree (SSSD 3.1.3, Algorithm 1).
 
-Every source (the suffix-array datastore; the request's prompt + self-output index, once per
-prefix length) gives a `WeightedTree`: the continuations found after a matched prefix merged by
-token path, each node counting the (weighted) continuations that pass through it, the root
-counting the matches of the prefix. A node's pseudo-probability is count(prefix + path) /
-count(prefix) (3.1.3): the estimate that the target accepts it.
-
-`fuse` is Algorithm 1: one priority queue over all sources' trees. The root children of every
-source enter with priority prob x discount(source, 1, match length); the best element is popped
-and inserted into the draft tree under its draft parent (inserting a (parent, token) child that
-exists returns the existing node, so sources that agree share nodes), then its children enter
-with prob x discount(source, depth, match length), until the draft tree holds `max_nodes` nodes
-or the queue is empty.
-
-Discounts (3.1.3: "a scaling factor is applied to tokens coming from the input... the
-probabilities are dampened according to the size of the prefix match and the depth"), with
-depth = 1 for the root's children and P = len(input_match):
-
-    discount("datastore", depth, match_len) = datastore_scale * datastore_decay ** (depth - 1)
-    discount("input", depth, match_len)     = input_scale * input_decay ** (depth - 1)
-                                              * input_match[min(match_len, P) - 1]
-
-They live in the datastore's meta.json under "discounts" (`Discounts.model_dump()`); `specmesh
-datastore tune` grid-searches them (the paper: "good weights can be identified through a simple
-grid search").
+Every source (the suffix-array datastore; the request's input index, once per prefix length)
+gives a `WeightedTree`: its continuations merged by token path, each node counting the weighted
+continuations through it; pseudo-probability = count(prefix + path) / count(prefix). `fuse` is
+Algorithm 1: one priority queue over all sources' trees, a node's priority its probability times
+`Discounts.discount(source, depth, match length)`; the best node joins the draft tree (sources
+that agree share nodes), its children enter the queue, until `max_nodes`. The discount formula,
+its storage in meta.json and its grid search (tune.py): docs/datastore.md, Fusion.
 """
 from __future__ import annotations
 

@@ -1,18 +1,11 @@
 """The prompt + self-output source (SSSD 3.1.1): an index over one request's tokens so far.
 
-The prompt and the generated tokens are one input sequence. The index maps every n-gram of
-length 1..P to the positions where it ends; `extend` adds only the n-grams that end at the new
-tokens, so it follows the generation step by step without a rebuild. `continuations` gives one
-weighted tree per prefix length L = 1..P (the paper: "a distinct candidate tree for each prefix
-of size 1 to P. The weights of the branches in the trees are the number of occurrences of the
-corresponding sequence in the input"): the continuations after every earlier occurrence of the
-input's last L tokens, the root counting those occurrences. The occurrence at the current end
-has no continuation yet and is not counted; occurrences may overlap the current one, and a
-continuation that runs into the end of the input stops there.
-
-Deviation from the paper: only the `max_occurrences` most recent occurrences of an n-gram are
-used (a frequent unigram occurs hundreds of times in a long input; the recent ones predict best,
-and the lookup stays bounded per step).
+The index maps every n-gram of length 1..P of the input (prompt and generated tokens) to the
+positions where it ends; `extend` adds only the n-grams ending at the new tokens (no rebuild).
+`continuations` gives one weighted tree per prefix length L = 1..P: the continuations after
+every earlier occurrence of the input's last L tokens (details: docs/datastore.md).
+Deviation from SSSD: only the `max_occurrences` most recent occurrences of an n-gram are used
+(docs/decisions/datastore-search.md).
 """
 from __future__ import annotations
 

@@ -1,31 +1,14 @@
 """The suffix-array datastore (SSSD 3.1.2, built as in REST): a large tokenized corpus searched
-for the continuations of a request's last tokens.
+for the continuations of a request's last tokens; the datastore engine's corpus source.
 
-On disk, one directory (written into a temporary sibling, then renamed into place):
-    tokens.u32  every document's tokens as little-endian uint32, each document followed by
-                SEPARATOR (0xFFFFFFFF, never a token id), so no continuation crosses documents
-    sa.i32      the suffix array of tokens.u32, little-endian int32 ("sa.i64", int64, beyond
-                2**31 - 1 tokens; meta "sa_dtype" says which), built by libdivsufsort
-                (pydivsufsort). Suffixes compare token by token as unsigned integers, so
-                SEPARATOR sorts after every real token, and a suffix that is a prefix of another
-                sorts first.
-    meta.json   the caller's meta (name, tokenizer family, model, corpus, later the tuned fusion
-                discounts) + format_version, num_tokens, num_documents, sa_dtype, bytes (of the
-                two arrays), build_seconds
-At serve time both arrays are memory-mapped read-only (np.memmap): nothing is loaded into Python
-objects, and the processes of one host share the pages.
-
-Retrieval (`continuations_batch`), per context: for prefix lengths L = min(P, len) .. 1 (the
-context's last L tokens) the suffix-array range of the suffixes starting with them, longest
-first; while fewer than `min_conts` occurrences were collected, the next shorter prefix is added
-too (REST instead stops at the first prefix found). From a range of more than M = `max_conts`
-suffixes, M are taken AT REGULAR INTERVALS (the middle of each of M equal slices): the array is
-sorted, so evenly spaced picks follow the distribution of the continuations, where REST's
-first-N picks only the smallest ones. Each pick gives the up to `max_depth` tokens after the
-prefix (cut at SEPARATOR); they are merged into one weighted tree, a pick of a range of R
-suffixes sampled m times weighing R / m, so counts estimate occurrences and a node's
-probability is relative to the number sampled for its prefix. All binary searches of a batch
-advance together, vectorized with numpy (the paper parallelizes over the batch with OpenMP).
+On disk: tokens.u32 (every document's tokens, each followed by SEPARATOR), the suffix array
+sa.i32 / sa.i64 (libdivsufsort) and meta.json; memory-mapped read-only at serve time (the
+format: docs/datastore.md, Build). `continuations_batch` looks up each context's last P..1 tokens
+and merges the picks into a weighted tree (fusion.py). Departures from REST / SSSD, each with
+its reason in docs/decisions/datastore-search.md:
+- shorter prefixes are added while fewer than `min_conts` occurrences were found;
+- a range of more than `max_conts` suffixes is sampled at regular intervals, a pick weighing R / m;
+- batches of up to SCALAR_PREFIXES search one prefix at a time with `bisect`, larger ones numpy.
 """
 from __future__ import annotations
 

@@ -1,19 +1,11 @@
 """`specmesh datastore tune`: the offline grid search of the fusion discounts (SSSD 3.1.3).
 
-"This process requires minimal device usage to initially generate ground truth data with the
-LLM. The data is then used to simulate the LLM inference process and find good parameters."
-
-1. Ground truth: the target's greedy continuations of prompts held out from the benchmarks
-   (services/common/prompts.py: tuning_prompts), generated once and cached in the datastore's
-   directory.
-2. For every position of every continuation, the sources' trees are computed once: the datastore
-   lookup of the context's last P tokens and the input index's trees (the prompt + the
-   continuation so far). They do not depend on the discounts.
-3. Each discount setting of the grid is simulated without the model: fuse the trees at the
-   current position into a draft of `speculation.max_nodes` nodes and `speculation.depth`
-   levels, accept the longest path that matches the ground truth, emit it plus the bonus token,
-   move on. Score = mean accepted length (tokens per simulated target pass, bonus counted).
-4. The best setting is written into the datastore's meta.json, where the service reads it.
+Ground truth is the target's greedy continuations of held-out prompts (prompts.py, cached in the
+datastore's directory); the sources' trees at every position are computed once; every setting
+of the grid is then simulated without the model (fuse, accept the longest path matching the
+ground truth, emit it plus the bonus token), scored by the mean accepted length, and the best
+is written into the datastore's meta.json, where the service reads it. The steps in detail:
+docs/datastore.md, Fusion.
 """
 from __future__ import annotations
 

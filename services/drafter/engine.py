@@ -1,25 +1,13 @@
 """Draft model engine: per-request caches, chain/top-k tree drafting, rollback to accepted tokens.
 
-Cache convention (same as the verifier): `rows` of the cache hold `tokens[:rows]`; tokens between
-`rows` and the root (`pending`) are committed but not computed yet; they are computed together
-with the root in the first forward of the next draft. Drafting leaves speculative rows (the root
-and the expanded nodes) in the cache; when the next call brings the accepted tokens, the rows of
-the accepted path are gathered behind the committed rows and the rest dropped (KV rollback).
-
-Tree shape: `depth` levels of at most `width` nodes; each level keeps the `width` best children
-(by cumulative draft log-probability) of the previous level's nodes. width 1 is a greedy chain.
-With `min_probability` the tree stops growing below the first level whose likeliest node has a
-draft probability (given its parent) under it (that level is kept): each level costs a draft
-forward, and below an unsure guess the target rarely follows. This is Hugging Face assisted
-generation's `assistant_confidence_threshold` (0.4 there), applied to trees; it lets a router
-ask for deep trees without paying for deep drafting where the draft is lost.
-
-Sampled requests (`Coupling`): the draft's distribution is processed as the target's
-(temperature, top-k, top-p) and ranked by the target's own race for each position
-(`sampling.coupled_scores`): a chain is the draft's draw under the target's random numbers,
-a level of width w its w draws without replacement. The target's draw at a position then equals
-the drafted token whenever the two races agree, instead of with probability p(token) for the
-draft's likeliest token; the verifier's walk is unchanged (docs/decisions/coupled-drafting.md).
+Cache convention as the verifier's: `rows` of the cache hold `tokens[:rows]`; committed tokens
+past it (`pending`) are computed with the root in the next draft's first forward; speculative
+rows are rolled back to the accepted path when the next call brings it (docs/drafters.md).
+Trees: `depth` levels of at most `width` nodes (width 1: a greedy chain), each level the best
+children by cumulative draft log-probability. Choices beyond the papers:
+- `min_probability` stops deepening below an unsure level, HF's assistant confidence threshold
+  applied to trees (docs/decisions/serving-defaults.md);
+- sampled requests draft with the target's own random numbers (docs/decisions/coupled-drafting.md).
 """
 from __future__ import annotations
 

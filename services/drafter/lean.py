@@ -1,14 +1,12 @@
 """The drafter's lean forward: the shared decoder loop (common/lean.py) over per-request KV
 buffers, implementing the part of `CausalLM` a `DraftModel` uses (`new_cache`, `prefill`,
-`forward_many`) with the same semantics (rows appended per request, per-part visibility masks,
-`logits_from`), logits over the draft vocabulary only (`token_ids` maps a logit's column to its
-token id; None: the whole vocabulary).
+`forward_many`) with the same semantics, logits over the draft vocabulary only (`token_ids`).
 
 Keys and values live in preallocated per-request buffers (`LeanKV`, grown by doubling; rollback
 is an index copy inside the buffer). A draft only has to guess: its numbers may differ from
-transformers' by float rounding, which `tests/test_lean_draft.py` bounds. Where the architecture
-is not covered `supports` says why and the drafter keeps transformers' forward
-(`Settings.draft_runner`).
+transformers' by float rounding (tests/test_lean_draft.py). Where `supports` says the
+architecture is not covered the drafter keeps transformers' forward (`Settings.draft_runner`;
+why: docs/decisions/lean-draft-forward.md).
 """
 from __future__ import annotations
 

@@ -1,24 +1,13 @@
 """A draft model's LM head over the most frequent tokens only (FR-Spec: frequency-ranked
-speculative sampling, Zhao et al. 2025).
-
-Why: a small draft spends a large share of each drafting forward in its LM head, because the
-vocabulary is large (docs/decisions/draft-vocabulary.md), and most of its rows are tokens a chat
-or code answer almost never uses. FR-Spec keeps the head's rows for the k most frequent tokens
-of a corpus; the draft then only proposes those tokens.
-
-Lossless: the target verifies every drafted token and emits its own token wherever the draft was
-wrong, so a token outside the subset is still generated (by the target), only never guessed.
-For sampling, the draft distribution is the softmax over the subset (zero elsewhere), a valid
-proposal distribution for the rejection rule.
-
-Frequencies: token counts over the lookup datastore's corpus (ShareGPT tokenized with the
-target's tokenizer, `specmesh datastore build --model ...`; with the Qwen tokenizer 32,768
-tokens cover 97.7% of it). The tokenizer's special tokens (end of turn, end of text) are always
-kept. Deviation from the paper: it counts tokens of
-SlimPajama; we count the corpus the datastore already holds, so no second corpus is needed.
+speculative sampling, Zhao et al. 2025); in the drafter, applied before packing or quantizing.
 
     keep = frequent_tokens(counts, k=32768, always=tokenizer.all_special_ids)
     restrict_vocab(model, keep)   # model.lm_head -> SubsetHead, before packing or quantizing
+
+Lossless: the target verifies every drafted token, so a rarer token is still generated, only
+never guessed; for sampling the draft distribution is the softmax over the subset.
+Deviation from FR-Spec: frequencies are counted over the lookup datastore's corpus, not
+SlimPajama (docs/decisions/draft-vocabulary.md).
 """
 from __future__ import annotations
 

@@ -1,17 +1,11 @@
 """Self-distillation data for draft heads: the target's own greedy answers to a corpus'
 questions, written as a corpus of conversations the extraction reads like ShareGPT.
 
-Why: the heads must guess what the target will say, and a corpus' answers were written by
-someone else (ShareGPT's by ChatGPT). Trained on the target's own continuations, the heads see
-at training what verification accepts at serving (the issue Hydra's teacher-distillation
-ablation and Medusa-2's self-distillation address).
-
-Each record's first human turn goes through the chat template with the generation prompt;
-prompts longer than `prompt_limit` tokens are skipped; the target answers greedily (batched,
-left-padded, in the serving dtype) up to `answer_tokens` tokens. Out:
-`<cache_dir>/heads/<model>/answers-<corpus>.jsonl`, one record per line
-({"record": i, "conversations": [human, gpt]}), appended a batch at a time: an interrupted run
-resumes after the last complete line.
+Why: the heads must guess what the target will say, not a corpus' answers written by someone
+else (docs/decisions/heads-training.md). Each record's first human turn goes through the chat
+template; the target answers greedily in batches up to `answer_tokens` tokens, into
+`<cache_dir>/heads/<model>/answers-<corpus>.jsonl`, appended a batch at a time so that an
+interrupted run resumes (docs/heads.md, The data).
 """
 from __future__ import annotations
 

@@ -1,22 +1,13 @@
-"""ProPD's early prediction head (section 4.1): after the target's first n layers, a small
-head guesses each tree row's successor tokens; a node whose token is not in its parent's Top-k
-is pruned with its subtree before the remaining layers run.
+"""ProPD's early prediction head (section 4.1): after the target's first n layers, a small head
+guesses each tree row's successor tokens, so that the verifier prunes a node not in its
+parent's Top-k with its subtree before the remaining layers run (services/verifier/prune.py).
 
-The head reads the residual stream after layer n (x_n): `h = norm(x_n) + W2 silu(W1 norm(x_n))`
-(W2 zero at start: an untrained head is the logit lens, the final norm and LM head applied to
-layer n), read out by the target's LM head, frozen, over a draft vocabulary. It is trained to
-the target's own next-token distribution at the same position (soft targets from the cached
-final hidden states), one pass, Adam, cosine learning rate. Deviation from ProPD (which does
-not specify the head's shape): the residual MLP with Medusa's zero start, so a head starts at
-the logit lens; held-out Top-k recall of the target's greedy token, trained and logit lens,
-is in heads.md.
-
-A node whose token lies outside the draft vocabulary is never pruned (the head cannot rank
-it). Pruning cannot change what is accepted, only how many nodes are checked: the walk runs
-over the surviving tree, the target's logits decide.
-
-On disk (`<cache_dir>/heads/<model>/early-<n>/`): early.safetensors and early.json (model,
-tokenizer, hidden size, layer, vocabulary, tokens seen, held-out recall at several k).
+The head: `h = norm(x_n) + W2 silu(W1 norm(x_n))` over the residual stream after layer n, read
+out by the target's frozen LM head over a draft vocabulary, trained to the target's own
+next-token distribution (one pass, Adam, cosine learning rate). Deviation from ProPD, which
+gives no shape: the residual MLP with Medusa's zero start, so an untrained head is the logit
+lens (docs/decisions/early-pruning.md). On disk: `<cache_dir>/heads/<model>/early-<n>/`
+(docs/heads.md, Early pruning).
 """
 from __future__ import annotations
 

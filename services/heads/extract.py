@@ -1,24 +1,12 @@
 """The target's final hidden states over a corpus of conversations: what grounded draft heads
 (Hydra, section 4: heads over the frozen base model's last hidden state) train on.
 
-Each conversation goes through the target's chat template (what the target sees when served),
-is cut into windows of `seq_len` tokens, and the windows run through the target in batches
-(right-padded, in the serving dtype). On disk, `<cache_dir>/heads/<model>/hidden-<corpus>-<L>/`:
-
-    shard-00000.safetensors  tokens  int32 [n]      the windows' tokens, back to back
-                             hidden  [n, H]         the target's final (normalized) hidden state
-                                                    at each token: the LM head's input (bf16)
-                             layer-<n>  [n, H]      with `layers`: the residual stream after
-                                                    layer n (what ProPD's early head reads, bf16)
-                             starts  int64 [w + 1]  where each window starts in `tokens`
-    meta.json                model, tokenizer family, hidden size, seq_len, corpus, dtype,
-                             shards [{file, tokens, windows}], records (conversations read),
-                             tokens, complete (the corpus ran out; at corpus_bytes: a corpus
-                             that grew since, such as the target's answers, is extended)
-
-Written a shard at a time (to a temporary file, renamed into place, then meta.json): an
-interrupted run resumes at the first conversation not yet in a shard, and a later run with a
-larger budget extends what is there instead of recomputing it.
+Each conversation goes through the target's chat template, is cut into windows of `seq_len`
+tokens, and the windows run through the target in batches (right-padded, serving dtype). Out:
+`<cache_dir>/heads/<model>/hidden-<corpus>-<L>/`, safetensors shards (tokens, final hidden
+states, optionally the residual stream after `layers` for ProPD's early heads, window starts)
+and meta.json (the layout: docs/heads.md, The data). Written a shard at a time, so an
+interrupted run resumes and a larger budget extends what is there.
 """
 from __future__ import annotations
 

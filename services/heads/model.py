@@ -1,23 +1,13 @@
 """Grounded draft heads (Hydra, section 3.2): K small MLPs over the target's final hidden state
 that predict the tokens after the target's own next token, each conditioned on the tokens
-before it.
+before it; trained by train.py, drafting in the verifier through draft.py.
 
-With f_t the target's final (normalized) hidden state at token x_t and E the target's input
-embeddings, head k (k = 1..K) predicts x_{t+1+k} from
-
-    f_t (+) E(x_{t+1}) (+) ... (+) E(x_{t+k})        ((+): concatenation)
-
-where x_{t+1} is the target's own next token (the bonus token of a verify step) and the later
-ones are the tokens drafted so far (the data's tokens in training: teacher forcing). Each head
-is an MLP with one hidden layer of the model's width (the paper's shape) added to f_t
-(`h = f_t + W2 silu(W1 input)`, W2 zero at start: a new head starts as the target's own
-next-token distribution), read out by the target's LM head, shared and frozen. The residual
-and the zero start are Medusa's head design, which Hydra's heads keep.
-
-Optionally the LM head keeps only the rows of a draft vocabulary (`vocab`: the most frequent
-tokens, as FR-Spec restricts a draft model's head): the heads then guess only those tokens, and
-each of their matrix products reads a fraction of the LM head. Logits are over `vocab`'s
-columns then (`columns` maps token ids to them).
+Head k (k = 1..K) predicts x_{t+1+k} from f_t (+) E(x_{t+1}) (+) ... (+) E(x_{t+k}) (f_t the
+target's final hidden state at x_t, E its input embeddings, (+) concatenation) as
+`h = f_t + W2 silu(W1 input)`, W2 zero at start (Medusa's residual head, which Hydra keeps),
+read out by the target's frozen LM head (docs/heads.md, The heads). Deviation from Hydra: the
+LM head may keep only a draft vocabulary's rows (`vocab`, as FR-Spec; logits over its columns,
+`columns` maps token ids to them; docs/decisions/heads-training.md).
 """
 from __future__ import annotations
 

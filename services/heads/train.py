@@ -1,26 +1,14 @@
-"""Training grounded draft heads on cached hidden states (services/heads/extract.py), as Hydra
-trains them (section 4.1): the target frozen, one pass over the data (the paper's one epoch),
-Adam with betas (0.9, 0.99), a cosine-decayed learning rate with warmup down to 0.
+"""Training grounded draft heads on cached hidden states (extract.py), as Hydra 4.1 trains them:
+the target frozen, one pass, Adam (0.9, 0.99), a cosine-decayed learning rate with warmup.
 
-Every window of the extraction gives, at each position t with K tokens after t + 1, one
-example: f_t, the tokens x_{t+1} .. x_{t+K} (head k reads the first k) and the targets
-x_{t+2} .. x_{t+1+K}. The loss of head k is the cross entropy against the target's own
-distribution of x_{t+1+k} (soft targets, read from the cached state at x_{t+k}: distillation
-from the frozen target, what a verification accepts; the default) or against the data's token
-(Hydra's objective). Every 20th window is held out: top-1 / top-5 accuracy per head is measured
-there against the data's token (the paper's figure 2) and against the target's greedy token.
-
-Deviations, measured in docs/heads.md: the learning rate is 1e-3, not 1e-4 (heads of a
-576-wide model on ~1M tokens); batches are of positions, not of sequences; soft targets by
-default (+4-5 points of agreement with the target per head, 1.5x the training time); the
-heads' LM head keeps the 16,384 most frequent tokens of the training data (FR-Spec's draft
-vocabulary: 97.8% of held-out tokens, the same accuracy, 3.4x faster training and cheaper
-drafting).
-
-Output (`out`): heads.safetensors (the heads' weights and their vocabulary) and heads.json
-(model, tokenizer family, hidden size, heads, tokens seen, held-out accuracy per head, the
-hidden-states folder); while training, checkpoint.pt every `checkpoint_every` steps, from which
-an interrupted run resumes.
+Each position t with K tokens after t + 1 is one example: f_t, the tokens x_{t+1} .. x_{t+K}
+(head k reads the first k) and the targets x_{t+2} .. x_{t+1+K}; every 20th window is held out
+for top-1 / top-5 per head. Out: heads.safetensors and heads.json in `out`; checkpoint.pt
+every `checkpoint_every` steps resumes an interrupted run (docs/heads.md, The heads).
+Deviations from Hydra, each measured (docs/decisions/heads-training.md):
+- learning rate 1e-3, not 1e-4; batches of positions, not of sequences;
+- soft targets (the target's own distribution at x_{t+1+k}) by default, not the data's token;
+- the LM head over the 16,384 most frequent tokens of the training data (FR-Spec).
 """
 from __future__ import annotations
 

@@ -1,18 +1,13 @@
 """Verify-cost model: the measured cost of one verifier step as a function of its shape.
 
-SSSD (section 3.2, figures 2-3) shows the forward-pass time growing quasi-linearly in the number
-of new rows (b * s_q, batch times speculation length) until the compute-bound threshold, plus a
-term in the context length read by attention; ProPD (4.2) fits T_est(n) = b0 + b1 * n by a
-recency-weighted regression over measured steps. We fit the same kind of model over three
-features of a step, with exponentially decaying weights so the curve follows load changes:
-
     seconds ~= b0 + b_rows * rows + b_context * context + b_segments * segments
 
-rows = new rows in the pass (tree nodes + roots + prefill chunks), context = KV positions read
-by attention (sum over segments of prefix + new rows), segments = requests in the batch. The
-engine feeds it every step; the verifier's Info RPC and Prometheus metrics export the fit and
-bench.verify_cost reports it. The router sizes trees from its own step-time models
-(services/router/policy.py), fed by the pass times each result reports.
+rows = new rows in the pass (tree nodes + roots + prefill chunks), context = KV positions read by
+attention (sum over segments of prefix + new rows), segments = requests in the batch; fitted by
+a regression with exponentially decaying weights, so the curve follows load changes. After SSSD
+3.2 (time quasi-linear in new rows, plus a context term) and ProPD 4.2 (recency-weighted fit of
+b0 + b1 * n), over three features (docs/verifier.md, Cost model). The engine feeds it every
+step; Info, Prometheus and bench.verify_cost report it; the router fits its own (router/sizing/).
 """
 from __future__ import annotations
 

@@ -1,20 +1,12 @@
 """The verifier's KV cache manager: preallocated, block-allocated storage shared by all requests.
 
-One tensor per K and V holds every layer's rows: `[num_layers, num_slots, kv_heads, head_dim]`,
-allocated once at start-up and written (zeros), so the budget is memory the process holds from
-the start: its RSS stays flat under load, and a memory limit is met at start-up, not mid-stream
-(left unwritten, the OS backs pages as blocks are first used and the RSS climbs by the budget
-under load: docs/benchmarks/2026-11-27-soak-chaos.md). Slots are handed out in blocks of
-`block_size`; a request owns a list of blocks, and position p of the request
-lives at slot `blocks[p // block_size] * block_size + p % block_size`. The attention kernels read
-a request's rows through that slot list (kernels/), so no request needs contiguous storage and
-nothing is ever reallocated.
-
-A step writes the root + tree rows after the committed prefix; accepting a path is KV compaction
-(minions section 4, EAGLE's "gather the accepted rows to the end of the prefix, set the length"):
-the accepted rows are copied down in place, the length is set, and blocks past the new length go
-back to the free list. The memory budget is the slot count: `reserve` fails (the engine then
-evicts or defers) instead of growing anything.
+One tensor per K and V, `[num_layers, num_slots, kv_heads, head_dim]`, allocated and written
+(zeros) at start-up, so the process holds its budget from the start and its RSS stays flat
+under load (docs/verifier.md, KV memory). A request owns a list of blocks of `block_size` slots;
+position p lives at slot `blocks[p // block_size] * block_size + p % block_size`, which the
+attention kernels read through (kernels/). Accepting a path is KV compaction (Minions 4, EAGLE):
+the accepted rows are copied down in place, the length set, and blocks past it freed. When the
+slots run out `reserve` fails (the engine evicts or defers); nothing ever grows.
 """
 from __future__ import annotations
 

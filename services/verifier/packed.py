@@ -1,21 +1,12 @@
 """One forward pass of the target over a packed, ragged batch of segments.
 
-A segment is one request's new rows in a step: an optional causal chain (prefill or re-prefill
-of tokens not yet in the KV store), then the tree's root and nodes under the ancestor mask. All
-segments' rows are concatenated into one `[1, T]` input (no padding): the linear layers, MLPs and
-the LM head run once over all T rows, and attention is computed per segment over its own prefix
-(read from the KV store through its slot list) plus its own new rows.
-
-Attention is wired through `transformers`' attention-function registry (`AttentionInterface`),
-not a fork of the model code: the model runs with `attn_implementation="specmesh"`, and the batch
-metadata reaches our function as a forward keyword argument. Under that name transformers builds
-no mask and no cache (the mask is ours, the cache is `KVStore`). The model's attention
-implementation is switched to ours only for the duration of a packed forward, so the same model
-object still serves plain `generate` (tests' reference) and the single-request `CausalLM` path.
-
-A target given as a `LeanDecoder` (common/lean.py, `Settings.target_runner`) runs the same
-packed batch through the project's own decoder loop instead: the same attention function body
-(K/V written to their slots, then the backend), without transformers' modules.
+A segment is one request's new rows in a step: an optional causal chain (prefill or re-prefill),
+then the tree's root and nodes under the ancestor mask. All rows form one `[1, T]` input (no
+padding): linears, MLPs and the LM head run once over T rows, attention per segment over its own
+prefix (read from the KV store through its slot list) and its new rows (docs/verifier.md).
+Attention plugs into transformers' attention-function registry as "specmesh", switched on only
+for the duration of a packed forward; a `LeanDecoder` target (common/lean.py) runs the same
+attention body in the project's own loop (docs/decisions/lean-target-forward.md).
 """
 from __future__ import annotations
 

@@ -1,16 +1,13 @@
 """Early pruning inside a verify pass (ProPD 4.1): after the target's first n layers, the early
 head's Top-k of each tree row's successors decides which nodes go on through the remaining
-layers.
+layers (heads/early.py holds the head).
 
-Per step: the early head runs on every row that is a parent in a tree (the root and inner
-nodes), a node passes when its token is in its parent's Top-k (ties kept; a token outside the
-head's vocabulary always passes), and a node survives when it and all its ancestors pass (branch
-elimination). Prompt and chain rows are never pruned. The remaining layers then run on the
-survivors with the compiled tree's mask subsampled to them; a pruned row's keys and values
-(written by the first n layers) are never read and are rolled back with the other rejected rows.
-
-Lossless: the walk runs over the surviving tree with the target's own logits; pruning decides
-only which nodes get checked.
+The head runs on every parent row of a tree; a node passes when its token is in its parent's
+Top-k (ties kept; a token outside the head's vocabulary always passes) and survives when it and
+all its ancestors pass. Prompt and chain rows are never pruned; the remaining layers run on the
+survivors under the compiled mask subsampled to them, and pruned rows are rolled back.
+Lossless: the walk runs over the survivors with the target's own logits. Off by default, and
+the head's shape: docs/decisions/early-pruning.md.
 """
 from __future__ import annotations
 

@@ -2,14 +2,11 @@
 node's children, emit the first sample that is not as the bonus token.
 
 Every emitted token is a draw from the target's own processed distribution at its position
-(penalties, then temperature / top-k / top-p; argmax at temperature 0), so the output
-distribution is exactly the target's at any temperature; at temperature 0 the walk reproduces
-the target's greedy decoding token for token. Drafts need no probabilities.
-
-Penalties (repetition, presence, frequency) depend only on the tokens before the sampled
-position. The walk samples a row only after accepting every node above it, so that history is
-the committed sequence plus the accepted path so far: exactly what the target would have seen
-decoding alone, and the processed distribution at each row is the target's own.
+(penalties, then temperature / top-k / top-p; argmax at temperature 0), so the output is
+distributed exactly as the target's, token for token its greedy decoding at temperature 0;
+drafts need no probabilities. A row is sampled only after every node above it was accepted, so
+its penalty history is what the target would have seen decoding alone (docs/architecture.md,
+The lossless rule).
 """
 from __future__ import annotations
 

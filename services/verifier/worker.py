@@ -1,21 +1,12 @@
 """Verifier worker: the loop between the pool and the engine, with continuous batching.
 
 Each step pulls up to `batch_size` drafts (claiming ones a dead verifier left unacknowledged),
-registers requests it has not seen at the entry's base from the pool's durable state (first
-sight, or a crash elsewhere; the engine prefills them inside the step), verifies all of them in
-one batched forward on the compute thread, and completes each entry in the pool atomically.
-Entries the engine defers (token or KV budget) stay in a local backlog for the next step, so
-requests join and leave between steps and nothing is dropped. Follows the release feed to drop
-finished requests' caches.
-
-Batch forming (continuous verification): a step starts with the trees in hand unless waiting
-for a missing one pays. A request served recently (a result returned, not released) whose tree
-is not in hand is expected back at its last result's time plus its measured turnaround (result
-out to next tree in); stepping without it costs it a step of its own later, i.e. the step's
-fixed cost (the verify-cost model's intercept) once more. So the worker waits only for trees
-expected within that fixed cost (docs/decisions/verifier-batch-forming.md); until the cost
-model and a turnaround are measured, up to half its mean step. `batch_wait_s` fixes the wait
-instead (0 = never). One request in flight never waits.
+registers requests it has not seen from the pool's durable state (the engine prefills them
+inside the step), verifies them in one batched forward on the compute thread, and completes
+each entry in the pool atomically. Entries the engine defers (token or KV budget) wait in a
+local backlog for the next step, never dropped. It follows the release feed to drop finished
+requests' caches. A step waits for a missing tree only when it is due within the step's fixed
+cost (`batch_wait_s` fixes the wait; docs/decisions/verifier-batch-forming.md).
 """
 from __future__ import annotations
 
