@@ -10,10 +10,9 @@ import httpx
 import pytest
 
 from specmesh_services.common.rpc import Overloaded
-from specmesh_services.launch.embedded import EmbeddedMesh
 from specmesh_services.router.admission import Admission
 from specmesh.v1 import gateway_pb2, gateway_pb2_grpc
-from threaded import gateway_apis, served  # tests/ is on the path
+from threaded import served_mesh  # tests/ is on the path
 
 
 def test_requests_beyond_the_slots_wait_in_order_and_beyond_the_queue_are_refused_at_once():
@@ -75,13 +74,8 @@ def mesh(base_settings, compute):
         drafters=["layers:4"], **{"speculation.depth": 2, "router.max_requests": 1,
                                   "router.max_waiting": 1, "router.admission_wait_s": 120})
 
-    async def serve(publish, stop):
-        async with EmbeddedMesh.start(settings, compute) as m, gateway_apis(m) as ports:
-            publish(ports)
-            await stop.wait()
-
-    with served(serve) as ports:
-        yield ports
+    with served_mesh(settings, compute) as (grpc_port, http_port, *_):
+        yield grpc_port, http_port
 
 
 def test_beyond_capacity_grpc_gets_resource_exhausted_and_http_429_at_once(mesh):

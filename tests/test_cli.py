@@ -189,13 +189,13 @@ def test_up_restarts_a_killed_child_and_its_stream_completes_unchanged(cli_env, 
     try:
         with Client(f"127.0.0.1:{port}", timeout=300) as client:
             prompt = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
-            reference = client.chat(prompt, max_tokens=160)
+            reference = client.chat(prompt, max_tokens=64)
             for name in ("datastore", "router"):
                 victim, killed = pid_of(name), threading.Event()
 
                 def stream():
                     tokens = []
-                    for chunk in client.stream_chat(prompt, max_tokens=160):
+                    for chunk in client.stream_chat(prompt, max_tokens=64):
                         tokens += chunk.token_ids
                         if not killed.is_set():
                             killed.wait(timeout=60)
