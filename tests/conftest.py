@@ -8,7 +8,10 @@
 """
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+from pathlib import Path
 if not os.environ.get("CUDA_VISIBLE_DEVICES") and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"  # no GPU here: Triton kernels run in its interpreter
 
@@ -99,8 +102,22 @@ def compute():
     executor.shutdown(wait=True)
 
 
+@contextlib.contextmanager
+def once_per_run(tmp_path_factory, name: str):
+    """A path shared by the run's test processes (pytest-xdist workers) and whether it still has
+    to be made: the first process to get here makes it while the others wait (a file lock)."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's temporary folder, above each worker's own
+    path = root / name
+    with FileLock(str(path) + ".lock"):
+        yield path, not path.exists()
+
+
 @pytest.fixture(scope="session")
-def hf_greedy_reference(hf_target, tokenizer, chat_prompt_ids, compute):
+def hf_greedy_reference(hf_target, tokenizer, chat_prompt_ids, compute, tmp_path_factory):
     """The target's own greedy continuations (64 new tokens) of the first 20 MT-Bench questions."""
     def generate(i: int) -> list[int]:
         ids = torch.tensor([chat_prompt_ids(i)])
@@ -108,7 +125,10 @@ def hf_greedy_reference(hf_target, tokenizer, chat_prompt_ids, compute):
             seq = hf_target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                      max_new_tokens=64, pad_token_id=tokenizer.eos_token_id)
         return seq[0, ids.shape[1]:].tolist()
-    return [compute.submit(generate, i).result() for i in range(20)]
+    with once_per_run(tmp_path_factory, "hf-greedy-reference.json") as (path, make):
+        if make:
+            path.write_text(json.dumps([compute.submit(generate, i).result() for i in range(20)]))
+        return json.loads(path.read_text())
 
 
 @pytest.fixture(scope="session")
@@ -117,6 +137,10 @@ def small_datastore(base_settings, tokenizer, tmp_path_factory):
     model's tokenizer (the full one takes minutes to build; lossless checks need no quality)."""
     from specmesh_services.datastore.build import build
 
-    path, _ = build(base_settings, "sharegpt", tmp_path_factory.mktemp("datastore") / "ds",
-                    limit=400, progress=False, tokenizer=tokenizer)
-    return path
+    with once_per_run(tmp_path_factory, "small-datastore") as (folder, make):
+        if make:
+            folder.mkdir()
+            path, _ = build(base_settings, "sharegpt", folder / "ds", limit=400, progress=False,
+                            tokenizer=tokenizer)
+            (folder / "path").write_text(str(path))
+        return Path((folder / "path").read_text())

@@ -72,6 +72,20 @@ def run_batch(engine: VerifierEngine, prompts: dict[str, list[int]],
     return out, sizes
 
 
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def verify_lm(request, target_lm, target_path):
+    """The target the engine serves: the CPU one, and on a GPU machine the same float32 weights
+    on CUDA (TF32 off: float32 products as on the CPU), whose engine walks row-parallel."""
+    if request.param == "cpu":
+        return target_lm
+    from specmesh_services.common import models
+    from specmesh_services.common.lm import CausalLM
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return CausalLM(models.load_model(target_path, torch.float32, device="cuda"), target_lm.name)
+
+
 @pytest.fixture(scope="module")
 def batch_prompts(chat_prompt_ids, hf_greedy_reference):
     prompts = {f"q{i}": chat_prompt_ids(i) for i in range(BATCH)}
@@ -80,9 +94,9 @@ def batch_prompts(chat_prompt_ids, hf_greedy_reference):
     return prompts, references
 
 
-def test_batch_of_8_equals_alone_and_target_generate(target_lm, batch_prompts):
+def test_batch_of_8_equals_alone_and_target_generate(verify_lm, batch_prompts):
     prompts, references = batch_prompts
-    engine = VerifierEngine(target_lm, limits=EngineLimits(kv_budget_tokens=4096))
+    engine = VerifierEngine(verify_lm, limits=EngineLimits(kv_budget_tokens=4096))
     batched, sizes = run_batch(engine, prompts, references, "t")
     assert any(len(set(step)) > 1 for step in sizes), "tree sizes should differ within a step"
     assert len({tuple(step) for step in sizes}) > 1, "tree sizes should change between steps"
@@ -95,6 +109,18 @@ def test_batch_of_8_equals_alone_and_target_generate(target_lm, batch_prompts):
         assert batched[rid] == references[rid], f"{rid}: batched output differs from generate"
         assert alone[rid] == references[rid], f"{rid}: output alone differs from generate"
     assert engine.store.used_blocks == 0, "released requests must free their KV"
+
+
+def test_row_parallel_walk_gives_the_targets_tokens(target_lm, batch_prompts):
+    """The walk a GPU runs (every row drawn at once, one copy to the host a step), here on the
+    CPU through the same code: the target's greedy output, batched, trees of any shape."""
+    prompts, references = batch_prompts
+    some = dict(list(prompts.items())[:4])
+    engine = VerifierEngine(target_lm, limits=EngineLimits(kv_budget_tokens=4096))
+    engine.row_parallel_walk = True
+    batched, _ = run_batch(engine, some, references, "r")
+    for rid in some:
+        assert batched[rid] == references[rid], f"{rid}: row-parallel walk differs from generate"
 
 
 def test_small_token_budget_prefills_in_chunks(target_lm, batch_prompts):
@@ -124,7 +150,7 @@ def binned(counts, expected, min_expected=5.0):
     return obs.numpy(), exp.numpy()
 
 
-def test_sampling_distribution_with_batching(target_lm, chat_prompt_ids):
+def test_sampling_distribution_with_batching(verify_lm, chat_prompt_ids):
     """Temperature 1: 2 contexts x 4 requests (distinct seeds) per step, 250 steps. Each
     request's first emitted token is the loop-based sampler's draw from the target's own
     (unbatched) logits with the same seed, and each context's tokens pass a chi-square test
@@ -136,12 +162,12 @@ def test_sampling_distribution_with_batching(target_lm, chat_prompt_ids):
     batched engine to the reference."""
     hot = SamplingParams(temperature=1.0)
     contexts = {"a": chat_prompt_ids(3), "b": chat_prompt_ids(6)}
-    engine = VerifierEngine(target_lm, limits=EngineLimits(kv_budget_tokens=8192,
+    engine = VerifierEngine(verify_lm, limits=EngineLimits(kv_budget_tokens=8192,
                                                            max_batch_tokens=8192))
     probs, logits, trees = {}, {}, {}
     for name, prompt in contexts.items():
-        logits[name] = target_lm.prefill(target_lm.new_cache(), prompt)
-        probs[name] = torch.softmax(logits[name], dim=-1)
+        logits[name] = verify_lm.prefill(verify_lm.new_cache(), prompt)
+        probs[name] = torch.softmax(logits[name], dim=-1).cpu()
         ranked = torch.argsort(probs[name], descending=True).tolist()
         # a: the likeliest token and a branch; b: an unlikely guess with children
         trees[name] = (TokenTree((ranked[0], ranked[1]), (-1, -1)) if name == "a" else

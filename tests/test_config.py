@@ -72,6 +72,8 @@ def sample(action: argparse.Action, key: str) -> tuple[list[str], object]:
         return [option, "layers:2", option, "layers:3@int8"], ["layers:2", "layers:3@int8"]
     if kind is int:
         value = (default or 0) + 1
+    elif key == "device":  # a str with a pattern
+        value = "cuda:1"
     else:
         value = {float: 0.25, str: "example:1234", Path: Path("/tmp/specmesh-example")}[kind]
     return [option, str(value)], value

@@ -1,11 +1,13 @@
 """The deployment files, checked without Docker or a cluster.
 
-`Dockerfile`, `docker-compose.yml` and `deploy/k8s/` are read as data and held against the real
-CLI parser (`launch.cli.build_parser`) and the real `Settings`: a renamed flag, setting, port or
-Service breaks this test instead of a deployment. Fast: no model, no network.
+`Dockerfile`, `docker-compose.yml`, `deploy/k8s/` (and its GPU overlay `deploy/k8s-gpu/`) and the
+Makefile's setup are read as data and held against the real CLI parser (`launch.cli.build_parser`)
+and the real `Settings`: a renamed flag, setting, port or Service breaks this test instead of a
+deployment. Fast: no model, no network, no GPU.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -26,6 +28,10 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
 COMPOSE = ROOT / "docker-compose.yml"
 K8S = ROOT / "deploy" / "k8s"
+K8S_GPU = ROOT / "deploy" / "k8s-gpu"
+
+GPU_ROLES = ("verifier", "drafter")  # the roles that hold models (`specmesh serve` checks the device)
+TORCH_INDEXES = "https://download.pytorch.org/whl"  # one index per torch build: cpu, cu130, ...
 
 REDIS_PORT = 6379  # the redis image's default
 OTLP_GRPC_PORT = 4317  # Jaeger all-in-one's OTLP/gRPC receiver
@@ -96,13 +102,22 @@ def dockerfile_instructions() -> list[tuple[str, str]]:
     return out
 
 
-def dockerfile_args(instructions) -> dict[str, str]:
+def dockerfile_args(instructions, build_args: dict[str, str] | None = None) -> dict[str, str]:
+    """Each ARG's value: the build arg given, else its default, in which Docker expands the ARGs
+    before it (`${NAME}`)."""
     args = {}
     for word, rest in instructions:
         if word == "ARG" and "=" in rest:
             name, _, default = rest.partition("=")
-            args[name] = default.strip('"')
+            default = re.sub(r"\$\{(\w+)\}", lambda m: args.get(m.group(1), ""),
+                             default.strip('"'))
+            args[name] = (build_args or {}).get(name, default)
     return args
+
+
+def torch_pin() -> str:
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    return next(d for d in deps if re.match(r"torch\b", d))
 
 
 def dockerfile_env() -> dict[str, str]:
@@ -128,6 +143,29 @@ def test_dockerfile_builds_on_python_slim_and_installs_torch_cpu():
     assert torch_run, f"no RUN installs {torch_pin}"
     assert re.search(r"--index-url \"?\$\{?TORCH_INDEX_URL\}?\"?", torch_run), torch_run
     assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+
+
+def test_dockerfile_torch_build_arg_selects_the_cuda_wheel_index(compose):
+    """TORCH=cpu (the default) installs the CPU wheel; the TORCH the compose gpu profile builds
+    with installs the same exact version from pytorch.org's CUDA index of that name."""
+    instructions = dockerfile_instructions()
+    (torch_run,) = [rest for word, rest in instructions if word == "RUN" and "torch==" in rest]
+    assert re.findall(r"torch==\S+", torch_run) == [torch_pin()]
+    assert dockerfile_args(instructions)["TORCH_INDEX_URL"] == f"{TORCH_INDEXES}/cpu"
+    builds = [service["build"] for service in gpu_services(compose).values()]
+    assert builds and all(build == builds[0] for build in builds)
+    cuda = builds[0]["args"]["TORCH"]
+    assert re.fullmatch(r"cu\d{3}", cuda), cuda
+    assert dockerfile_args(instructions, {"TORCH": cuda})["TORCH_INDEX_URL"] == \
+        f"{TORCH_INDEXES}/{cuda}"
+
+
+def test_the_image_leaves_the_device_to_torch(monkeypatch):
+    """SPECMESH_DEVICE=auto in both images: the CPU image's torch sees no GPU, the CUDA image's
+    the GPU its container is given."""
+    env = {k: v for k, v in dockerfile_env().items() if k.startswith("SPECMESH_")}
+    assert settings_field("SPECMESH_DEVICE") == "device" and env["SPECMESH_DEVICE"] == "auto"
+    assert service_settings(monkeypatch, env, ["serve", "verifier"]).device == "auto"
 
 
 def test_dockerfile_installs_the_sdk_the_services_and_the_models():
@@ -336,6 +374,60 @@ def test_compose_publishes_the_gateway_and_jaeger(monkeypatch, compose):
     assert published_ports(compose["services"]["gateway"]) == {
         GATEWAY_PUBLIC_PORT: gateway.port, HTTP_PUBLIC_PORT: gateway.gateway.http_port}
     assert published_ports(compose["services"]["jaeger"]) == {16686: 16686, 4317: 4317}
+
+
+def gpu_services(compose: dict) -> dict[str, dict]:
+    return {name: service for name, service in compose["services"].items()
+            if "gpu" in service.get("profiles", [])}
+
+
+def reserved_devices(service: dict) -> list[dict]:
+    return service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+
+
+# what puts a compose service on the GPU; everything else it shares with its CPU twin
+GPU_SERVICE_KEYS = {"image", "build", "profiles", "deploy", "networks", "environment"}
+
+
+def test_compose_gpu_profile_holds_the_model_services_and_only_they_reserve_gpus(compose):
+    gpu = gpu_services(compose)
+    assert sorted(gpu) == sorted(f"{role}-gpu" for role in GPU_ROLES)
+    for name, service in compose["services"].items():
+        assert service.get("profiles", []) == (["gpu"] if name in gpu else []), name
+        assert bool(reserved_devices(service)) == (name in gpu), name
+
+
+def test_compose_default_stack_stays_on_the_cpu(compose):
+    """Without a profile every service runs the CPU image (the Dockerfile's defaults), reserves
+    no device and leaves the device to the image (auto)."""
+    for name, service in compose["services"].items():
+        if service.get("profiles"):
+            continue
+        assert "SPECMESH_DEVICE" not in compose_env(service), name
+        assert not (service.get("build") or {}).get("args"), name
+    assert {compose["services"][role]["image"] for role in ROLES} == {"specmesh:latest"}
+
+
+@pytest.mark.parametrize("role", GPU_ROLES)
+def test_compose_gpu_variant_is_its_cpu_twin_on_an_nvidia_gpu(monkeypatch, compose, role):
+    twin, service = compose["services"][role], compose["services"][f"{role}-gpu"]
+    assert {k: v for k, v in service.items() if k not in GPU_SERVICE_KEYS} == \
+        {k: v for k, v in twin.items() if k not in GPU_SERVICE_KEYS}
+    assert compose_env(service) == {**compose_env(twin), "SPECMESH_DEVICE": "cuda"}
+    settings = service_settings(monkeypatch, compose_env(service), service["command"])
+    assert settings.device == "cuda"
+    assert settings.port == compose_health_port(service) == \
+        compose_settings(monkeypatch, compose, role).port
+    (device,) = reserved_devices(service)
+    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+    assert ("count" in device) != ("device_ids" in device), "count or device_ids"
+    assert all(interpolate(i).isdigit() for i in device.get("device_ids", [])), device
+    # its own image, built from the Dockerfile with a CUDA torch
+    build = service["build"]
+    assert service["image"] != twin["image"] and build["args"]["TORCH"].startswith("cu")
+    assert (ROOT / build["context"] / build.get("dockerfile", "Dockerfile")).resolve() == DOCKERFILE
+    # it answers to its twin's name: the address the router dials, the name Prometheus discovers
+    assert service["networks"]["default"]["aliases"] == [role]
 
 
 def test_the_pool_keeps_an_append_only_file_in_compose_and_k8s(compose, manifests):
@@ -597,3 +689,149 @@ def test_kustomize_renders_every_manifest(manifests):
     assert len(rendered) == len(manifests)
     assert {d["metadata"].get("namespace") for d in rendered if d["kind"] != "Namespace"} \
         == {"specmesh"}
+
+
+# ---------------------------------------------------------------------------------------------
+# deploy/k8s-gpu: the base with the model roles on NVIDIA GPUs
+
+
+def kustomization(directory: Path) -> dict:
+    return yaml.safe_load((directory / "kustomization.yaml").read_text())
+
+
+def strategic_merge(base, patch):
+    """`patch` applied to `base` as a strategic merge patch applies it to the fields the overlay
+    patches: maps merge, lists of named items (containers, env) merge by name, other lists
+    (tolerations, args) are replaced."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        return {**base, **{k: strategic_merge(base[k], v) if k in base else v
+                           for k, v in patch.items()}}
+    if isinstance(base, list) and isinstance(patch, list) and \
+            all(isinstance(item, dict) and "name" in item for item in base + patch):
+        merged = {item["name"]: item for item in base}
+        for item in patch:
+            name = item["name"]
+            merged[name] = strategic_merge(merged[name], item) if name in merged else item
+        return list(merged.values())
+    return patch
+
+
+def by_name(value):
+    """`value` with its lists of named items as maps by name: their order means nothing."""
+    if isinstance(value, dict):
+        return {k: by_name(v) for k, v in value.items()}
+    if isinstance(value, list) and value and \
+            all(isinstance(item, dict) and "name" in item for item in value):
+        return {item["name"]: by_name(item) for item in value}
+    if isinstance(value, list):
+        return [by_name(item) for item in value]
+    return value
+
+
+@pytest.fixture(scope="module")
+def gpu_deployments(manifests) -> dict[str, dict]:
+    """The base's Deployments as deploy/k8s-gpu renders them: its patches, then its images."""
+    overlay = kustomization(K8S_GPU)
+    deployments = copy.deepcopy(of_kind(manifests, "Deployment"))
+    for entry in overlay["patches"]:
+        patch = yaml.safe_load((K8S_GPU / entry["path"]).read_text())
+        assert (patch["apiVersion"], patch["kind"]) == ("apps/v1", "Deployment"), entry
+        name = patch["metadata"]["name"]
+        assert name in deployments, f"{entry['path']} patches no Deployment of the base"
+        deployments[name] = strategic_merge(deployments[name], patch)
+    images = {i["name"]: i for i in overlay.get("images", [])}
+    for deployment in deployments.values():
+        for container in deployment["spec"]["template"]["spec"]["containers"]:
+            name, _, tag = container["image"].partition(":")
+            if name in images:
+                entry = images[name]
+                container["image"] = f"{entry.get('newName', name)}:{entry.get('newTag', tag)}"
+    return deployments
+
+
+def test_k8s_gpu_overlay_patches_the_model_roles_of_the_base(manifests):
+    overlay = kustomization(K8S_GPU)
+    assert [(K8S_GPU / r).resolve() for r in overlay["resources"]] == [K8S]
+    assert not {"namespace", "namePrefix", "nameSuffix"} & set(overlay)  # the base's names
+    deployments = of_kind(manifests, "Deployment")
+    patched, images = set(), set()
+    for entry in overlay["patches"]:
+        patch = yaml.safe_load((K8S_GPU / entry["path"]).read_text())
+        name = patch["metadata"]["name"]
+        base = {c["name"] for c in deployments[name]["spec"]["template"]["spec"]["containers"]}
+        containers = patch["spec"]["template"]["spec"]["containers"]
+        assert {c["name"] for c in containers} <= base
+        images |= {c["image"] for c in containers}
+        patched.add(name)
+    assert patched == set(GPU_ROLES)
+    # it renames only the image its patches set (the base's image is set in the base)
+    assert {i["name"] for i in overlay["images"]} == images
+    assert not images & {c["image"].split(":")[0] for d in deployments.values()
+                         for c in d["spec"]["template"]["spec"]["containers"]}
+    # `kubectl apply -k deploy/k8s` stays the CPU mesh: the base knows nothing of the overlay
+    assert {(K8S / r).resolve().parent for r in kustomization(K8S)["resources"]} == {K8S}
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_k8s_gpu_overlay_puts_the_model_roles_on_a_gpu(monkeypatch, manifests, compose,
+                                                       gpu_deployments, role):
+    base = of_kind(manifests, "Deployment")[role]
+    deployment = gpu_deployments[role]
+    if role not in GPU_ROLES:
+        assert deployment == base
+        return
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    base_container = model_container(manifests, role)
+    # one GPU beside the base's cores and memory; an extended resource's request is its limit
+    resources = container["resources"]
+    assert resources["limits"] == {**base_container["resources"]["limits"], "nvidia.com/gpu": 1}
+    assert resources["requests"] == base_container["resources"]["requests"]
+    settings = service_settings(monkeypatch, k8s_env(manifests, container), container["args"])
+    assert settings.device == "cuda"
+    assert settings.model_dump(exclude={"device"}) == \
+        k8s_settings(monkeypatch, manifests, role).model_dump(exclude={"device"})
+    tolerations = deployment["spec"]["template"]["spec"]["tolerations"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in tolerations
+    # the CUDA image, tagged as the compose gpu profile builds it
+    assert container["image"] == compose["services"][f"{role}-gpu"]["image"]
+    unchanged = {"image", "env", "resources"}
+    assert {k: v for k, v in container.items() if k not in unchanged} == \
+        {k: v for k, v in base_container.items() if k not in unchanged}
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+def test_kustomize_renders_the_gpu_overlay_as_patched(manifests, gpu_deployments):
+    out = subprocess.run(["kubectl", "kustomize", str(K8S_GPU)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    rendered = [d for d in yaml.safe_load_all(out.stdout) if d]
+    assert len(rendered) == len(manifests)
+    deployments = {d["metadata"]["name"]: d for d in rendered if d["kind"] == "Deployment"}
+    assert set(deployments) == set(gpu_deployments)
+    for name, deployment in deployments.items():
+        assert deployment["metadata"].pop("namespace") == "specmesh"
+        assert by_name(deployment) == by_name(gpu_deployments[name]), name
+
+
+# ---------------------------------------------------------------------------------------------
+# Makefile
+
+
+def make_torch_install(venv: Path, *args: str) -> list[str]:
+    """The arguments `make setup` (dry run, into a new `venv`) gives the pip that installs torch."""
+    out = subprocess.run(["make", "-n", "-C", str(ROOT), "setup", f"VENV={venv}", *args],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    (line,) = [line for line in out.stdout.splitlines() if "torch==" in line]
+    return line.split("pip install -q ", 1)[1].split()
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_make_setup_pins_torch_for_the_cpu_and_for_cuda(tmp_path, compose):
+    """The CPU wheel by default; TORCH=<the compose gpu profile's build> the same exact version
+    of that CUDA build from the index the Dockerfile uses for it."""
+    assert make_torch_install(tmp_path / "venv") == [torch_pin()]
+    cuda = next(iter(gpu_services(compose).values()))["build"]["args"]["TORCH"]
+    index = dockerfile_args(dockerfile_instructions(), {"TORCH": cuda})["TORCH_INDEX_URL"]
+    assert make_torch_install(tmp_path / "venv", f"TORCH={cuda}") == \
+        ["--index-url", index, f"{torch_pin()}+{cuda}"]

@@ -227,9 +227,16 @@ class Settings(BaseSettings):
                                       extra="forbid")
 
     model: str = Field(DEFAULT_MODEL, description="target model: a known name "
-                       "(`specmesh models list`) or a local Hugging Face directory")
+                       "(`specmesh models list`), a local Hugging Face directory, or a Hugging "
+                       "Face Hub id (owner/name[@revision], fetched through the Hub cache; "
+                       "HF_HUB_OFFLINE=1: the cached snapshot only)")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+                        description="where the models and their caches run: auto (the first GPU "
+                                    "torch sees, else the CPU), cpu, cuda or cuda:N; the "
+                                    "datastore stays on the CPU")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="target/draft dtype; auto = bfloat16 where the hardware runs it fast")
+        "auto", description="target/draft dtype; auto = bfloat16 on CUDA and where the CPU runs "
+                            "it fast")
     linear: Literal["auto", "torch", "onednn", "fp16"] = Field(
         "auto", description="CPU kernels of the models' linear layers: onednn = weights packed once "
                             "(cost nearly flat in the rows of a verify step); fp16 = bf16 weights "
@@ -246,9 +253,10 @@ class Settings(BaseSettings):
                             "Lossless relative to the weights as served")
     drafters: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
-        description="draft models: 'layers:N' (first N layers of the target) or a model name/dir, "
-                    "optionally '@int8' or '@int4' (quantized weights: about half the drafting "
-                    "time on a CPU, the output unchanged); empty = the target's default draft")
+        description="draft models: 'layers:N' (first N layers of the target) or a model name, "
+                    "directory or Hub id, optionally '@int8' or '@int4' (quantized weights: "
+                    "about half the drafting time on a CPU, the output unchanged); empty = the "
+                    "target's default draft")
     draft_vocab: int = Field(0, ge=0, description="draft models' LM heads over the N most "
                              "frequent tokens of the datastore's corpus (FR-Spec: a cheaper "
                              "drafting forward, the output unchanged); 0 = the whole vocabulary")

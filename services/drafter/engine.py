@@ -269,7 +269,7 @@ class DraftModel:
         parents: list[int] = []
         scores: list[float] = []
         frontier: list[int] = [-1]  # node indices whose logits are in `logits`, root = -1
-        frontier_scores = torch.zeros(1)
+        frontier_scores = torch.zeros(1, device=logits.device)
         for level in range(1, depth + 1):
             own, ranked = self._rank(state, logits, root_pos + level)
             logp = ranked + frontier_scores[:, None]
@@ -314,7 +314,7 @@ class DraftModel:
             for old in [p for p in state.weights if p < len(state.tokens)]:
                 del state.weights[old]  # committed positions are drawn
             weights = state.weights[position] = self._columns(
-                race_weights(coupling.seed, position, coupling.width))
+                race_weights(coupling.seed, position, coupling.width)).to(logits.device)
         return torch.log(probs), coupled_scores(probs, weights)
 
     def _columns(self, weights: torch.Tensor) -> torch.Tensor:

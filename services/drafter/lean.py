@@ -26,10 +26,10 @@ class LeanKV:
     [layers, kv_heads, capacity, head_dim]; rows [0, len) are valid."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 capacity: int = 256) -> None:
+                 capacity: int = 256, device: torch.device | str = "cpu") -> None:
         self.shape = (layers, kv_heads, capacity, head_dim)
-        self.keys = torch.empty(self.shape, dtype=dtype)
-        self.values = torch.empty(self.shape, dtype=dtype)
+        self.keys = torch.empty(self.shape, dtype=dtype, device=device)
+        self.values = torch.empty(self.shape, dtype=dtype, device=device)
         self.length = 0
 
     def __len__(self) -> int:
@@ -55,7 +55,7 @@ class LeanKV:
         if any(r < start for r in rows) or rows != sorted(rows):
             raise ValueError(f"rows to keep must be ascending and >= {start}: {rows}")
         if rows != list(range(start, start + len(rows))):
-            index = torch.tensor(rows, dtype=torch.long)
+            index = torch.tensor(rows, dtype=torch.long, device=self.keys.device)
             for buf in (self.keys, self.values):
                 buf[:, :, start:start + len(rows)] = buf.index_select(2, index)
         self.length = start + len(rows)
@@ -75,7 +75,8 @@ class LeanLM(LeanDecoder):
     (`quantize_linears` / `pack_linears`)."""
 
     def new_cache(self) -> LeanKV:
-        return LeanKV(self.num_layers, self.kv_heads, self.head_dim, self.dtype)
+        return LeanKV(self.num_layers, self.kv_heads, self.head_dim, self.dtype,
+                      device=self.device)
 
     def forward(self, cache: LeanKV, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 visible: torch.Tensor | None = None, last: int = 0) -> torch.Tensor:
@@ -99,7 +100,7 @@ class LeanLM(LeanDecoder):
         assert len({id(p.cache) for p in parts}) == len(parts), "one part per cache"
         spans, tokens, positions, keep, at = [], [], [], [], 0
         for p in parts:
-            past, n, pos, mask, causal = part_layout(p)
+            past, n, pos, mask, causal = part_layout(p, self.device)
             p.cache.reserve(past + n)
             spans.append((p.cache, at, at + n, past, mask, causal))
             tokens.append(p.tokens)
@@ -122,10 +123,12 @@ class LeanLM(LeanDecoder):
                 out[start:end] = o[0].transpose(0, 1)
             return out
 
-        rows = torch.cat(keep)
-        hidden = self.run(torch.cat(tokens), torch.cat(positions), attend, rows)
+        device = self.device
+        rows = torch.cat(keep).to(device)
+        hidden = self.run(torch.cat(tokens).to(device), torch.cat(positions).to(device), attend,
+                          rows)
         for cache, start, end, past, _, _ in spans:
             cache.length = past + end - start
         if hidden is None:
-            return [torch.empty(0, self.columns) for _ in parts]
+            return [torch.empty(0, self.columns, device=self.device) for _ in parts]
         return split_logits(self.logits(hidden), parts)

@@ -18,6 +18,7 @@ import torch
 from specmesh_kernels.linear_rules import draft_weights, pack_linears, quantize_linears
 from specmesh_services.common import datastore_files, models
 from specmesh_services.common.config import Settings
+from specmesh_services.common.device import resolve_device
 from specmesh_services.common.drafts import model_specs
 from specmesh_services.common.lm import CausalLM
 from specmesh_services.drafter.engine import DraftModel
@@ -41,8 +42,12 @@ class DraftSpec:
 
     @classmethod
     def parse(cls, spec: str) -> DraftSpec:
-        base, at, weights = spec.partition("@")
-        if at and weights not in WEIGHTS:
+        base, at, weights = spec.rpartition("@")
+        if not at:
+            base, weights = spec, ""
+        elif weights not in WEIGHTS and "/" in base:  # a Hub id's revision: owner/name@rev
+            base, weights = spec, ""
+        elif weights not in WEIGHTS:
             raise ValueError(f"bad draft spec '{spec}': after '@' expected one of "
                              f"{', '.join(WEIGHTS)}, got '{weights}'")
         if not base:
@@ -56,16 +61,21 @@ class DraftSpec:
                                  f"integer") from None
         return cls(base, weights or None, layers)
 
-    def quantized(self) -> str | None:
-        """The draft's quantized weights here ("int8" / "int4"; `auto` resolved for this CPU),
-        None for the configured dtype."""
+    def quantized(self, device: torch.device | str = "cpu") -> str | None:
+        """The draft's quantized weights on `device` ("int8" / "int4"; `auto` resolved for this
+        CPU), None for the configured dtype (`auto` on CUDA: the quantized kernels are CPU ones)."""
+        if torch.device(device).type != "cpu":
+            if self.weights not in (None, "auto"):
+                raise ValueError(f"draft weights @{self.weights} run on the CPU only, not on "
+                                 f"{device}: use @auto or no suffix")
+            return None
         return draft_weights() if self.weights == "auto" else self.weights
 
 
 def linear_converter(spec: DraftSpec, settings: Settings):
     """What turns a draft's torch linears into its kernels: int8 / int4 weights for a quantized
     spec (`quantize_linears`), else the configured packing (`pack_linears`)."""
-    weights = spec.quantized()
+    weights = spec.quantized(resolve_device(settings.device))
     if weights is not None:
         return lambda module: quantize_linears(module, weights)
     return lambda module: pack_linears(module, settings.linear)
@@ -78,10 +88,12 @@ def load_draft(spec: DraftSpec, settings: Settings, target_path,
     `keep` when given (`draft_vocabulary`, vocab.py). `convert=False`: torch's linears left as
     they are (float32 for a quantized spec), for `LeanLM` to fuse first. No tokenizer check
     (the caller's)."""
-    dtype = torch.float32 if spec.quantized() is not None else models.resolve_dtype(settings.dtype)
+    device = resolve_device(settings.device)
+    dtype = (torch.float32 if spec.quantized(device) is not None
+             else models.resolve_dtype(settings.dtype, device))
     path = target_path if spec.layers is not None else models.resolve(spec.base,
                                                                        settings.cache_dir)
-    model = models.load_model(path, dtype, num_layers=spec.layers, linear="torch")
+    model = models.load_model(path, dtype, num_layers=spec.layers, linear="torch", device=device)
     if keep is not None:
         restrict_vocab(model, keep)
     if convert:
@@ -143,7 +155,7 @@ def build_draft_models(settings: Settings) -> list[DraftModel]:
         out.append(DraftModel(lm, label, "truncated" if spec.layers is not None else "model"))
         out[-1].measure()
         log.info("draft model %s: %d layers, %s, %s forward, %.1f ms per drafting forward",
-                 out[-1].name, lm.num_layers, spec.quantized() or lm.dtype,
+                 out[-1].name, lm.num_layers, spec.quantized(lm.device) or lm.dtype,
                  "lean" if isinstance(lm, LeanLM) else "transformers",
                  1e3 * out[-1].level_seconds)
     return out

@@ -51,7 +51,7 @@ class HeadsDrafter:
         self.meta = meta
         self.depth = heads.num_heads
         self.grounded = heads.grounded
-        self.vocab = heads.vocab
+        self.vocab = heads.vocab.to(heads.lm_head.device)
         self.layers, self.dtype, self.weights = served_products(heads.up, heads.down,
                                                                 heads.lm_head, weights)
         self.embed = heads.embed  # the target's, as served
@@ -100,8 +100,8 @@ class HeadsDrafter:
         for k in range(1, depth + 1):
             if not frontier:
                 break
-            rows = torch.tensor([n.request for n in frontier])
-            path = torch.tensor([(bonus[n.request], *n.path) for n in frontier])
+            rows = torch.tensor([n.request for n in frontier], device=f.device)
+            path = torch.tensor([(bonus[n.request], *n.path) for n in frontier], device=f.device)
             logits = self._logits(k, f[rows], path).float()
             top, cols = logits.topk(WIDTH, dim=-1)
             probs = (top - logits.logsumexp(-1, keepdim=True)).exp()
@@ -141,7 +141,7 @@ def served_products(up, down, lm_head: torch.Tensor, weights: str | None = "auto
             "int4" if int4_supports() is None else None
     quantized = weights if device.type == "cpu" else None
     dtype = torch.float32 if quantized or device.type == "cpu" else target_dtype
-    layers = layers.to(dtype)
+    layers = layers.to(device=device, dtype=dtype)
     if quantized:
         quantize_linears(layers, quantized)
     return layers, dtype, quantized or str(dtype).removeprefix("torch.")
@@ -183,8 +183,11 @@ def load_for_target(settings, spec: str) -> HeadsDrafter:
 
     path = models.resolve(settings.model, settings.cache_dir)
     folder = heads_path(spec) or default_folder(settings, settings.model)
-    dtype = models.resolve_dtype(settings.dtype)
-    model = models.load_model(path, dtype, linear="torch")
+    from specmesh_services.common.device import resolve_device
+
+    device = resolve_device(settings.device)
+    model = models.load_model(path, models.resolve_dtype(settings.dtype, device), linear="torch",
+                              device=device)
     embed = model.get_input_embeddings().weight.detach()
     lm_head = model.get_output_embeddings().weight.detach()
     return HeadsDrafter.load(folder, settings.model, tokenizer_family(models.load_tokenizer(path)),

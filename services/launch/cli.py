@@ -223,9 +223,14 @@ def cmd_config_reference(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import importlib
 
+    settings = settings_from(args)
+    if args.role in ("verifier", "drafter"):  # the roles that hold models: refused at start-up
+        from specmesh_services.common.device import check as check_device
+
+        check_device(settings)
     module = {"gateway": "specmesh_gateway.server"}.get(args.role,
                                                        f"specmesh_services.{args.role}.server")
-    importlib.import_module(module).main(settings_from(args))
+    importlib.import_module(module).main(settings)
     return 0
 
 
@@ -335,11 +340,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; a setting that does not exist or cannot be parsed is a one-line error."""
+    """Run one command; a setting that does not exist or cannot be parsed, or a model that
+    cannot be found, is a one-line error."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except SettingsError as err:
+        print(f"specmesh: error: {err}", file=sys.stderr)
+        return 2
+    except LookupError as err:
+        # models imports torch: loaded here only once something has raised from it
+        from specmesh_services.common.models import ModelNotFound
+
+        if not isinstance(err, ModelNotFound):
+            raise
         print(f"specmesh: error: {err}", file=sys.stderr)
         return 2
 

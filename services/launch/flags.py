@@ -34,8 +34,8 @@ GROUPS: dict[str, tuple[str, tuple[Flag, ...]]] = {
         Flag("datastore_address", metavar="HOST:PORT"))),
     "pool": ("pool", (Flag("redis_url", metavar="URL"),)),
     "model": ("model and speculation", (
-        Flag("model"), Flag("dtype"), Flag("target_weights"), Flag("linear"),
-        Flag("target_runner"), Flag("draft_runner"),
+        Flag("model"), Flag("device", metavar="auto|cpu|cuda[:N]"), Flag("dtype"),
+        Flag("target_weights"), Flag("linear"), Flag("target_runner"), Flag("draft_runner"),
         Flag("drafters", "--draft", "SPEC"), Flag("draft_vocab", metavar="N"),
         Flag("speculation.depth", metavar="N"), Flag("speculation.width", metavar="N"),
         Flag("speculation.min_probability", metavar="P"),

@@ -26,7 +26,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specmesh_services.common import cores, models, security
-from specmesh_services.common.config import Settings
+from specmesh_services.common.config import Settings, SettingsError
+from specmesh_services.common.device import check as check_device
 from specmesh_services.common.drafts import model_specs, serves_drafter
 from specmesh_services.drafter.models import DraftSpec
 from specmesh_services.launch.procs import free_port, orphan_guard, pid_alive
@@ -243,11 +244,16 @@ class Stack:
 
 def prepare(settings: Settings) -> None:
     """Converts the target and the drafts it serves with once, here, with a progress bar (not 2x
-    in children), and builds the default datastore where the datastore drafts."""
+    in children), and builds the default datastore where the datastore drafts. A device the
+    models cannot run on is refused first (`SettingsError`)."""
+    check_device(settings)
     settings = models.served(settings)
     names = [settings.model]
     if settings.speculation.source != "datastore":
-        drafts = [DraftSpec.parse(s) for s in model_specs(settings)]
+        try:
+            drafts = [DraftSpec.parse(s) for s in model_specs(settings)]
+        except ValueError as err:  # a bad --draft: one line, not a traceback
+            raise SettingsError(str(err)) from None
         names += [d.base for d in drafts if d.layers is None]
     for name in names:
         models.resolve(name, settings.cache_dir)

@@ -24,7 +24,7 @@ from specmesh_services.common.tree import CompiledTree, TokenTree, compile_tree
 from specmesh_services.verifier.cost import VerifyCostModel
 from specmesh_services.verifier.kv import KVStore
 from specmesh_services.verifier.packed import PackedTarget, Segment
-from specmesh_services.verifier.walk import WalkResult, walk
+from specmesh_services.verifier.walk import WalkResult, row_draws, walk, walk_draws
 from specmesh.v1 import pool_pb2
 
 log = logging.getLogger(__name__)
@@ -116,6 +116,9 @@ class VerifierEngine:
         self.target = PackedTarget(lm if isinstance(lm, LeanDecoder) else lm.model, self.store,
                                    self.backend)
         self.requests: dict[str, RequestKV] = {}
+        # every tree row drawn at once where the logits live, one copy to the host a step (a
+        # GPU); else the walk samples the rows it visits (fewer products on a CPU)
+        self.row_parallel_walk = lm.device.type == "cuda"
         self.cost = VerifyCostModel()
         self.steps = 0
         self.last_step: StepStats | None = None
@@ -216,8 +219,11 @@ class VerifierEngine:
             shape = (trees, nodes, sum(p.segment.num_rows for p in planned.values()))
             hidden = self.target.hidden or [None] * len(planned)
             kept = self.target.survivors
-            for (i, plan), rows, states, alive in zip(planned.items(), logits, hidden, kept):
-                results[i] = self._commit(plan, rows, seconds, shape, states, alive)
+            draws = _device_draws(list(planned.values()), logits) if self.row_parallel_walk \
+                else [None] * len(planned)
+            for (i, plan), rows, states, alive, drawn in zip(planned.items(), logits, hidden,
+                                                              kept, draws):
+                results[i] = self._commit(plan, rows, seconds, shape, states, alive, drawn)
             self._observe(list(planned.values()), trees, seconds, forward_end - forward_start,
                           time.perf_counter() - forward_end)
         return [results[i] for i in range(len(items))]
@@ -298,10 +304,11 @@ class VerifierEngine:
     # commit -----------------------------------------------------------------------------------
     def _commit(self, plan: _Planned, logits: torch.Tensor, seconds: float,
                 shape: tuple[int, int, int], hidden: torch.Tensor | None = None,
-                kept: torch.Tensor | None = None) -> StepResult:
+                kept: torch.Tensor | None = None, drawn: list[int] | None = None) -> StepResult:
         """`shape`: (trees, their nodes, rows) of the whole step; `hidden`: the tree rows' final
         hidden states, when the target gives them; `kept`: the compiled rows early pruning kept
-        (`logits` and `hidden` hold those rows only), None: all."""
+        (`logits` and `hidden` hold those rows only), None: all; `drawn`: every row's draw,
+        made on the device (`_device_draws`)."""
         req, seg = plan.req, plan.segment
         req.last_used = time.monotonic()
         self.prefill_rows += seg.logits_from
@@ -310,7 +317,8 @@ class VerifierEngine:
             return StepResult(plan.request_id)
         root = len(req.tokens) - 1
         compiled = plan.compiled if kept is None else _subtree(plan.compiled, kept.tolist())
-        result = walk(compiled, logits, req.sampler, req.tokens)
+        result = walk(compiled, logits, req.sampler, req.tokens) if drawn is None \
+            else walk_draws(compiled, drawn)
         local = result.rows  # rows of the walked tree: of the survivors' logits and states
         if kept is not None:  # back to the rows of the tree as drafted
             result = WalkResult([int(kept[r]) for r in local], result.tokens, result.bonus)
@@ -403,3 +411,19 @@ def _chain_segment(request_id: str, tokens: list[int], start: int) -> Segment:
     return Segment(request_id, start, torch.tensor(tokens, dtype=torch.long),
                    torch.arange(start, start + n), torch.ones(n, n, dtype=torch.bool).tril(),
                    logits_from=n)
+
+
+def _device_draws(planned: list[_Planned], logits: list[torch.Tensor]) -> list[list[int] | None]:
+    """Every tree row's draw made where the logits are (`row_draws`) and copied to the host in
+    one transfer for the whole step (None for a prefill chunk)."""
+    trees = [i for i, p in enumerate(planned) if p.tree is not None]
+    out: list[list[int] | None] = [None] * len(planned)
+    if not trees:
+        return out
+    drawn = [row_draws(planned[i].compiled, logits[i], planned[i].req.sampler,
+                       planned[i].req.tokens) for i in trees]
+    flat = torch.cat(drawn).tolist()  # the step's one device-to-host copy of the walk
+    at = 0
+    for i, rows in zip(trees, drawn):
+        out[i], at = flat[at:at + rows.numel()], at + rows.numel()
+    return out

@@ -108,8 +108,9 @@ class KVStore:
         moves = [(base + r, base + i) for i, r in enumerate(keep) if r != i]
         if moves:
             slots = self.slots(request_id, 0, base + max(keep) + 1)
-            src = slots[[m[0] for m in moves]]
-            dst = slots[[m[1] for m in moves]]
+            device = self.k.device  # slot ids built here, moved in one copy each
+            src = slots[[m[0] for m in moves]].to(device, non_blocking=True)
+            dst = slots[[m[1] for m in moves]].to(device, non_blocking=True)
             self._compact(self.k, self.v, src, dst)
         seq.length = base + len(keep)
         self.truncate_blocks(request_id)

@@ -9,6 +9,7 @@ import torch
 
 from specmesh_services.common import metrics, models, pool as pool_mod, serving
 from specmesh_services.common.config import Settings
+from specmesh_services.common.device import check as check_device
 from specmesh_services.common.drafts import heads_spec, serves_heads
 from specmesh_services.common.lean import LeanDecoder
 from specmesh_services.common.lean import supports as lean_supports
@@ -58,16 +59,17 @@ def load_target(settings: Settings) -> CausalLM | LeanDecoder:
     """The target as served: its converted weights in `dtype`, or its native 4-bit layers with
     float32 activations (`target_weights`), run by the lean decoder loop or transformers'
     forward (`target_runner`); the output is lossless relative to these weights."""
+    device = check_device(settings)
     path = models.resolve(settings.model, settings.cache_dir)
-    weights = served_weights(settings, path)
+    weights = served_weights(settings, path) if device.type == "cpu" else "float"
     exact = settings.verifier.exact  # a row's bits independent of the rows beside it
-    dtype = torch.float32 if weights == "native" else models.resolve_dtype(settings.dtype)
+    dtype = torch.float32 if weights == "native" else models.resolve_dtype(settings.dtype, device)
     runner = settings.target_runner
     if runner == "transformers":
         lm = CausalLM(models.load_model(path, dtype, linear=settings.linear, weights=weights,
-                                        row_stable=exact), settings.model)
+                                        row_stable=exact, device=device), settings.model)
     else:
-        model = models.load_model(path, dtype, linear="torch")
+        model = models.load_model(path, dtype, linear="torch", device=device)
         reason = lean_supports(model)
         if reason is not None:
             if runner == "lean":
@@ -80,8 +82,9 @@ def load_target(settings: Settings) -> CausalLM | LeanDecoder:
                                                                       row_stable=exact),
                              fuse_key=native_key if weights == "native" else None)
             del model
-    log.info("target %s: %d layers, %s, %s weights, %s forward", settings.model, lm.num_layers,
-             dtype, weights, "lean" if isinstance(lm, LeanDecoder) else "transformers")
+    log.info("target %s on %s: %d layers, %s, %s weights, %s forward", settings.model, device,
+             lm.num_layers, dtype, weights,
+             "lean" if isinstance(lm, LeanDecoder) else "transformers")
     return lm
 
 
@@ -129,7 +132,9 @@ def load_pruner(settings: Settings):
                                 f"{'' if v.prune_layer is None else f' at layer {v.prune_layer}'}"
                                 f": train one with `specmesh heads early --model {settings.model}`")
     path = models.resolve(settings.model, settings.cache_dir)
-    model = models.load_model(path, models.resolve_dtype(settings.dtype), linear="torch")
+    device = check_device(settings)
+    model = models.load_model(path, models.resolve_dtype(settings.dtype, device), linear="torch",
+                              device=device)
     head = early.load(folder, settings.model, tokenizer_family(models.load_tokenizer(path)),
                       model.get_output_embeddings().weight.detach(),
                       model.model.norm.weight.detach(), model.config.rms_norm_eps)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specmesh_services.common.sampling import Sampler
+from specmesh_services.common.sampling import Sampler, coupled_scores, probabilities, race_weights
 from specmesh_services.common.tree import CompiledTree
 
 
@@ -57,4 +57,51 @@ def walk(tree: CompiledTree, logits: torch.Tensor, sampler: Sampler, tokens: Seq
         accepted.append(y)
         if history is not None:
             history[base + depth] = y
+        row = child
+
+
+def row_draws(tree: CompiledTree, logits: torch.Tensor, sampler: Sampler,
+              tokens: Sequence[int]) -> torch.Tensor:
+    """Every row's draw at once, on the logits' device: [n + 1] long, row i's draw being what
+    `walk` samples at row i if it reaches it (its history is the committed tokens and the
+    tree path down to i, fixed by the tree). The same operations as `Sampler.sample`, row-wise;
+    `walk_draws` then walks the tree on the host after a single copy."""
+    params, device = sampler.params, logits.device
+    base, vocab = len(tokens), logits.shape[-1]
+    out = logits.float()
+    if params.penalized:
+        history = torch.as_tensor(tokens, dtype=torch.long).to(device)
+        path = tree.ancestors.to(device).clone()
+        path[:, 0] = False  # the root is tokens[-1], already in the history
+        rows, cols = path.nonzero(as_tuple=True)
+        on_path = torch.zeros(tree.num_rows, vocab, device=device)
+        on_path.index_put_((rows, tree.tokens.to(device)[cols]),
+                           torch.ones(rows.numel(), device=device), accumulate=True)
+        p = params.repetition_penalty
+        if p != 1.0:
+            seen = (torch.bincount(history, minlength=vocab) > 0) | (on_path > 0)
+            out = torch.where(seen, torch.where(out < 0, out * p, out / p), out)
+        if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
+            counts = torch.bincount(history[sampler.prompt_len:], minlength=vocab) + on_path
+            out = torch.where(counts > 0, out - (params.presence_penalty
+                                                 + params.frequency_penalty * counts), out)
+    if params.greedy:
+        return torch.argmax(out, dim=-1)
+    probs = probabilities(out, params)
+    depths = tree.depths.tolist()
+    weights = {d: race_weights(sampler.seed, base + d, vocab) for d in set(depths)}
+    race = torch.stack([weights[d] for d in depths]).to(device, non_blocking=True)
+    return torch.argmax(coupled_scores(probs, race), dim=-1)
+
+
+def walk_draws(tree: CompiledTree, draws: Sequence[int]) -> WalkResult:
+    """`walk` over draws made beforehand (`row_draws`, copied to the host)."""
+    row, rows, accepted = 0, [], []
+    while True:
+        y = draws[row]
+        child = next((c for c in tree.children[row] if int(tree.tokens[c]) == y), None)
+        if child is None:
+            return WalkResult(rows, accepted, y)
+        rows.append(child)
+        accepted.append(y)
         row = child
