@@ -100,15 +100,22 @@ def save_report(name: str, report, text: str) -> None:
 # prompts
 
 
-def load_prompts(config: Config, tokenizer) -> list[Prompt]:
+def mtbench_prompts(tokenizer, count: int) -> list[Prompt]:
+    """The first `count` MT-Bench first turns through the chat template, one per category
+    first."""
     questions = mtbench_questions()
-    picked = (questions[::10] + [q for i, q in enumerate(questions) if i % 10])[:config.mtbench]
+    picked = (questions[::10] + [q for i, q in enumerate(questions) if i % 10])[:count]
     out = []
     for q in picked:
         messages = [{"role": "user", "content": q["turns"][0]}]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         out.append(Prompt(f"mtbench-{q['question_id']}", q["category"], {"messages": messages},
                           tokenizer(text, add_special_tokens=False).input_ids))
+    return out
+
+
+def load_prompts(config: Config, tokenizer) -> list[Prompt]:
+    out = mtbench_prompts(tokenizer, config.mtbench)
     for p in humaneval_problems()[:config.humaneval]:
         out.append(Prompt(p["task_id"], "code", {"prompt": p["prompt"]},
                           tokenizer(p["prompt"]).input_ids))

@@ -142,3 +142,28 @@ def test_the_timeline_chart_is_written(tmp_path):
     path = tmp_path / "timeline.png"
     assert plot(records, [(0.15, 0.3), (0.35, 0.5)], 1.0, "test", path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# bench.gpu: the device check's counts and the run's ratios
+@pytest.mark.parametrize("text, counts", [
+    ("....s\n1 failed, 212 passed, 1 skipped, 3 warnings in 80.00s (0:01:20)\n",
+     {"failed": 1, "passed": 212, "skipped": 1}),
+    ("bringing up nodes...\n165 passed, 54 skipped in 58.48s\n", {"passed": 165, "skipped": 54}),
+    ("E   ImportError\n1 error in 0.5s\n", {"error": 1}),
+    ("no tests ran in 0.01s\n", {})])
+def test_pytest_summary_counts(text, counts):
+    from bench.gpu import pytest_counts
+    assert pytest_counts(text) == counts
+
+
+def test_gpu_ratios_divide_tok_s_and_leave_a_missing_side_out():
+    from bench.gpu import ratios
+    rows = [{"method": "generate", "batch": 1, "tok_s": 40.0},
+            {"method": "generate-static", "batch": 1, "tok_s": 320.0},
+            {"method": "generate", "batch": 8, "tok_s": 360.0},
+            {"method": "mesh-off", "batch": 1, "tok_s": 80.0},
+            {"method": "mesh-default", "batch": 1, "tok_s": 160.0},
+            {"method": "mesh-default", "batch": 8, "tok_s": 720.0},
+            {"method": "up", "batch": 1, "error": "RuntimeError: no redis-server"}]
+    assert [x for _, x in ratios(rows, 8)] == [0.5, 0.25, 4.0, 2.0, None]
+    assert [x for _, x in ratios(rows[:1], 8)] == [None] * 5

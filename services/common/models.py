@@ -221,13 +221,15 @@ def is_prepared(name: str, cache_dir: Path) -> bool:
     return json.loads(marker.read_text()).get("version") == CONVERSION_VERSION
 
 
-def prepare(name: str, cache_dir: Path, progress: bool = True) -> Path:
-    """Converts a known model's GGUF into a safetensors HF directory once; returns its path."""
+def prepare(name: str, cache_dir: Path, progress: bool = True,
+            gguf: Path | None = None) -> Path:
+    """Converts a known model's GGUF into a safetensors HF directory once; returns its path.
+    `gguf`: the model's file from elsewhere than its package (a machine without the package)."""
     source = REGISTRY[name]
     out = cache_path(cache_dir, name)
     if is_prepared(name, cache_dir):
         return out
-    inputs = gguf_inputs(source)
+    inputs = [Path(gguf)] if gguf is not None else gguf_inputs(source)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent processes convert once, the others wait
