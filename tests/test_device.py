@@ -78,3 +78,25 @@ def test_draft_quantization_is_a_cpu_choice():
     with pytest.raises(ValueError, match="@int8 run on the CPU only"):
         DraftSpec.parse("smollm2-135m@int8").quantized("cuda")
     assert DraftSpec.parse("smollm2-135m@int8").quantized("cpu") == "int8"
+
+
+def test_up_gives_each_model_process_its_gpu(tmp_path):
+    from specmesh_services.launch.stack import Stack
+
+    stack = Stack(Settings(), 0, tmp_path, verifiers=2, drafting=2, gpus=(0, 1, 2))
+    env = {name: stack.device_env(role, name) for role, name in [
+        ("verifier", "verifier"), ("verifier", "verifier-2"), ("drafter", "drafter"),
+        ("drafter", "drafter-2"), ("router", "router"), ("gateway", "gateway"),
+        ("datastore", "datastore")]}
+    assert [env[n].get("CUDA_VISIBLE_DEVICES") for n in
+            ("verifier", "verifier-2", "drafter", "drafter-2")] == ["0", "1", "2", "0"]
+    assert all(env[n]["SPECMESH_DEVICE"] == "cuda" for n in ("verifier", "drafter-2"))
+    assert all(env[n] == {"CUDA_VISIBLE_DEVICES": ""} for n in ("router", "gateway", "datastore"))
+    assert Stack(Settings(), 0, tmp_path).device_env("verifier", "verifier") == {}
+
+
+@pytest.mark.parametrize("bad", ["0,x", "-1", ""])
+def test_up_refuses_a_gpu_list_that_is_none(bad, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.build_parser().parse_args(["up", "--gpus", bad])
+    assert exit_.value.code == 2 and "--gpus" in capsys.readouterr().err

@@ -4,15 +4,26 @@ dispatcher) for sure.
 One `Task.cancel()` is not enough on Python 3.11: `asyncio.wait_for` drops a cancellation that
 lands as its inner call completes, and redis-py sends every command through `wait_for`, so a
 loop cancelled while a Redis command is on the wire goes on (docs/reliability.md, Drain on
-SIGTERM). `stop` cancels again until the tasks have ended.
+SIGTERM). `stop` cancels again until the tasks have ended; and since under load the read and
+the cancel land together every time, the Redis pool also ends a task being stopped after each
+command (`stopping`).
 """
 import asyncio
 import logging
+import weakref
 from collections.abc import Iterable
 
 log = logging.getLogger(__name__)
 
 RECANCEL_S = 0.05  # how long a cancelled task gets before it is cancelled again
+_STOPPING: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()
+
+
+def stopping() -> bool:
+    """Whether the running task is one `stop` is stopping (a library may have swallowed its
+    cancellation): a command wrapper then raises CancelledError itself."""
+    task = asyncio.current_task()
+    return task is not None and task in _STOPPING
 
 
 async def stop(tasks: Iterable[asyncio.Task]) -> None:
@@ -20,6 +31,7 @@ async def stop(tasks: Iterable[asyncio.Task]) -> None:
     cancellation a library call swallowed."""
     tasks = list(tasks)
     pending = {task for task in tasks if not task.done()}
+    _STOPPING.update(pending)
     rounds = 0
     while pending:
         for task in pending:

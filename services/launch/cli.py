@@ -79,6 +79,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _gpu_list(text: str) -> tuple[int, ...]:
+    try:
+        gpus = tuple(int(g) for g in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GPU indices like 0,1, got '{text}'") from None
+    if any(g < 0 for g in gpus):
+        raise argparse.ArgumentTypeError(f"GPU indices are >= 0, got '{text}'")
+    return gpus
+
+
 def _client_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("security (a gateway with TLS or API keys)")
     g.add_argument("--tls-dir", type=Path, help="a secure stack's folder (`specmesh up --secure` "
@@ -181,7 +191,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     from specmesh_services.launch import stack
 
     return stack.up(settings_from(args), port=args.port, detach=args.detach, secure=args.secure,
-                    verifiers=args.verifiers, routers=args.routers, drafting=args.drafting)
+                    verifiers=args.verifiers, routers=args.routers, drafting=args.drafting,
+                    gpus=args.gpus)
 
 
 def cmd_down(args: argparse.Namespace) -> int:
@@ -272,6 +283,10 @@ def _add_up(sub) -> None:
     p.add_argument("--drafting", type=_positive, default=1, metavar="N",
                    help="replicas of the drafter and of the datastore (each request drafts on "
                         "one, moving to another when it dies) [1]")
+    p.add_argument("--gpus", type=_gpu_list, default=(), metavar="0,1,...",
+                   help="GPUs for the model processes: each verifier and drafter replica gets "
+                        "the next one (CUDA_VISIBLE_DEVICES, --device cuda), the other roles "
+                        "none [every process sees every GPU: one card shared, docs/gpu.md]")
     p.add_argument("--secure", action="store_true",
                    help="TLS (mutual) between all services and on the gateway, an API key on the "
                         "gateway, Redis with a password over TLS: a local CA and the key are made "

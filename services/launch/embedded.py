@@ -22,6 +22,7 @@ from specmesh_gateway.requests import ServedModel
 from specmesh_gateway.servicer import GatewayServicer
 from specmesh_services.common import cores, models, serving
 from specmesh_services.common.config import Settings
+from specmesh_services.common.device import resolve_device
 from specmesh_services.common.drafts import router_drafters, serves_drafter
 from specmesh_services.common.metrics import RouterMetrics, VerifierMetrics
 from specmesh_services.common.pool import MemoryPool
@@ -63,7 +64,8 @@ class EmbeddedMesh:
         pinned to theirs; threads passed in get their cores back when the mesh stops."""
         settings = models.served(settings)
         placement = cores.plan(settings.cores, settings.drafter_cores)
-        with _compute_threads(placement, executor, draft_executor) as (executor, draft_executor):
+        with _compute_threads(placement, executor, draft_executor,
+                              resolve_device(settings.device)) as (executor, draft_executor):
             async with cls._started(settings, placement, executor, draft_executor) as mesh:
                 yield mesh
 
@@ -100,7 +102,7 @@ class EmbeddedMesh:
                         drafter_name=first, drafter_names=names,
                         drafter_costs={m.name: m.level_seconds for m in drafts},
                         drafter_prefill={m.name: m.prefill_token_seconds for m in drafts},
-                        pipelined=placement.split,
+                        pipelined=draft_executor is not executor,  # drafting beside verifying
                         metrics=RouterMetrics(registry, settings.model))
         served = ServedModel.from_settings(settings, tokenizer, target.context_length)
         gateway = LocalStub(GatewayServicer(LocalStub(RouterServicer(router)), served))
@@ -123,15 +125,25 @@ class EmbeddedMesh:
 
 @contextlib.contextmanager
 def _compute_threads(placement: cores.CorePlan, executor: Executor | None,
-                     draft_executor: Executor | None) -> Iterator[tuple[Executor, Executor]]:
+                     draft_executor: Executor | None, device=None
+                     ) -> Iterator[tuple[Executor, Executor]]:
     """(verifier's, drafting roles') compute threads: one for both when the cores are shared;
-    with split cores two, pinned to their cores. Threads made here are shut down and threads
-    passed in get their cores back on exit, also when loading fails."""
+    with split cores two, pinned to their cores; on a GPU two, the drafting one issuing on its
+    own CUDA stream (the current stream is per thread), so that its kernels queue beside the
+    verifier's. Threads made here are shut down and threads passed in get their cores back on
+    exit, also when loading fails."""
     owned = []
     if executor is None:
         executor = serving.compute_executor()
         owned.append(executor)
-    if not placement.split:
+    on_gpu = device is not None and device.type == "cuda"
+    if on_gpu and draft_executor is None:
+        import torch
+
+        draft_executor = serving.compute_executor(role="drafter")
+        owned.append(draft_executor)
+        draft_executor.submit(lambda: torch.cuda.set_stream(torch.cuda.Stream(device))).result()
+    elif not placement.split:
         draft_executor = executor
     elif draft_executor is None:
         draft_executor = serving.compute_executor(role="drafter")

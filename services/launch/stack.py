@@ -100,6 +100,7 @@ class Stack:
     children: list[Child] = field(default_factory=list)
     redis: object | None = None  # RedisServer when we started one
     http_port: int | None = None  # the gateway's OpenAI-compatible HTTP API (None: off)
+    gpus: tuple[int, ...] = ()  # GPUs given out to the model processes in turn (empty: inherit)
 
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -138,6 +139,18 @@ class Stack:
             self.wait_all([self.spawn(role, port, settings, name=_replica(role, i))
                            for role in roles for i, port in enumerate(ports[role])])
 
+    def device_env(self, role: str, name: str) -> dict[str, str]:
+        """With `gpus`: each verifier and drafter replica its own GPU in turn (one per process
+        while there are enough; `CUDA_VISIBLE_DEVICES`), the other roles none."""
+        if not self.gpus:
+            return {}
+        holders = [_replica(r, i) for r, n in (("verifier", self.verifiers),
+                                               ("drafter", self.drafting)) for i in range(n)]
+        if role not in ("verifier", "drafter") or name not in holders:
+            return {"CUDA_VISIBLE_DEVICES": ""}
+        gpu = self.gpus[holders.index(name) % len(self.gpus)]
+        return {"CUDA_VISIBLE_DEVICES": str(gpu), "SPECMESH_DEVICE": "cuda"}
+
     def wait_all(self, children: list[Child]) -> None:
         for child in children:
             self.wait_healthy(child)
@@ -150,6 +163,7 @@ class Stack:
         if "OMP_NUM_THREADS" not in os.environ:
             placement = cores.plan(settings.cores, settings.drafter_cores)
             env["OMP_NUM_THREADS"] = str(placement.threads(role))
+        env.update(self.device_env(role, name or role))
         log = self.log_dir / f"{name or role}.log"
         out = open(log, "a" if append else "w")
         command = [*orphan_guard(), sys.executable, "-m", CLI_MODULE, "serve", role]
@@ -278,7 +292,8 @@ def prepare_datastore(settings: Settings) -> None:
 
 
 def up(settings: Settings, port: int, detach: bool, secure: bool = False,
-       verifiers: int = 1, routers: int = 1, drafting: int = 1) -> int:
+       verifiers: int = 1, routers: int = 1, drafting: int = 1,
+       gpus: tuple[int, ...] = ()) -> int:
     state = state_path(settings)
     running = _read_state(state)
     if running and pid_alive(running["pid"]):
@@ -286,10 +301,10 @@ def up(settings: Settings, port: int, detach: bool, secure: bool = False,
               f"`specmesh down` first", file=sys.stderr)
         return 1
     if detach:
-        return _up_detached(settings, port, state, secure, verifiers, routers, drafting)
+        return _up_detached(settings, port, state, secure, verifiers, routers, drafting, gpus)
     log_dir = settings.stack_dir / "logs"  # Stack.start creates it
     stack = Stack(settings, port, log_dir, secure=secure, verifiers=verifiers, routers=routers,
-                  drafting=drafting)
+                  drafting=drafting, gpus=gpus)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     try:
@@ -323,7 +338,7 @@ def up(settings: Settings, port: int, detach: bool, secure: bool = False,
 
 
 def _up_detached(settings: Settings, port: int, state: Path, secure: bool,
-                 verifiers: int, routers: int, drafting: int) -> int:
+                 verifiers: int, routers: int, drafting: int, gpus: tuple[int, ...]) -> int:
     state.parent.mkdir(parents=True, exist_ok=True)
     log = state.parent / "up.log"
     env = {**os.environ, **settings_env(settings)}
@@ -331,7 +346,8 @@ def _up_detached(settings: Settings, port: int, state: Path, secure: bool,
         command = [sys.executable, "-m", CLI_MODULE, "up", "--port", str(port),
                    "--verifiers", str(verifiers), "--routers", str(routers),
                    "--drafting", str(drafting),
-                   *(["--secure"] if secure else [])]
+                   *(["--secure"] if secure else []),
+                   *(["--gpus", ",".join(map(str, gpus))] if gpus else [])]
         process = subprocess.Popen(command,
                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    env=env, start_new_session=True)

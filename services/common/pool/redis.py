@@ -10,6 +10,7 @@ loses in-flight work.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import struct
 from collections.abc import Awaitable, Callable
@@ -20,6 +21,7 @@ from google.protobuf.message import DecodeError
 from redis.exceptions import ResponseError
 
 from specmesh_services.common.pool.base import Pool, Taken, stale_result
+from specmesh_services.common.tasks import stopping
 from specmesh.v1 import pool_pb2
 
 VERIFIERS = "verifiers"  # consumer group of the drafts stream
@@ -110,9 +112,20 @@ def _decoded(fields: dict) -> pool_pb2.DraftEntry | str:
         return f"an undecodable draft entry ({len(data)} bytes: {err})"
 
 
+class _Redis(Redis):
+    """redis-py's client, ending a task that `tasks.stop` is stopping after each command: its
+    timeouts can swallow a cancellation that lands as the reply arrives."""
+
+    async def execute_command(self, *args, **options):
+        reply = await super().execute_command(*args, **options)
+        if stopping():
+            raise asyncio.CancelledError("stopped")
+        return reply
+
+
 class RedisPool(Pool):
     def __init__(self, url: str, prefix: str = "specmesh") -> None:
-        self._redis = Redis.from_url(url)
+        self._redis = _Redis.from_url(url)
         self._prefix = prefix
         self._drafts = f"{prefix}:drafts"
         self._release_feed = f"{prefix}:releases"

@@ -1,0 +1,117 @@
+"""A GGUF model run by llama.cpp's kernels (llama-cpp-python's low-level API): decode batches
+whose rows carry sequence-id sets (trees: ggml_batch.py), logits of the rows asked for, and the
+KV cache edited by sequence operations (copy, remove) for commit and rollback.
+
+One context, one unified KV buffer shared by every sequence (`kv_unified`: a row may belong to
+several sequences, as a tree's shared prefix does).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["GgmlModel", "available"]
+
+
+def available() -> str | None:
+    """None where llama-cpp-python imports, else why not (what to install)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError as err:  # also a failed build's missing shared library
+        return f"llama-cpp-python is not installed ({err}): pip install 'specmesh[ggml]'"
+    return None
+
+
+class GgmlModel:
+    """`path`'s model in one llama.cpp context of `n_ctx` cells for all sequences together,
+    batches of up to `n_batch` rows, sequence ids 0 .. n_seq_max - 1."""
+
+    def __init__(self, path: Path, n_ctx: int = 4096, n_batch: int = 512, n_seq_max: int = 64,
+                 threads: int | None = None) -> None:
+        import llama_cpp as lc
+
+        self._lc = lc
+        lc.llama_backend_init()
+        lc.llama_log_set(_quiet(lc), ctypes.c_void_p(0))
+        params = lc.llama_model_default_params()
+        self.model = lc.llama_model_load_from_file(str(path).encode(), params)
+        if not self.model:
+            raise ValueError(f"llama.cpp cannot load {path}")
+        ctx_params = lc.llama_context_default_params()
+        threads = threads or len(os.sched_getaffinity(0))
+        ctx_params.n_ctx, ctx_params.n_batch, ctx_params.n_ubatch = n_ctx, n_batch, n_batch
+        ctx_params.n_seq_max, ctx_params.kv_unified = n_seq_max, True
+        ctx_params.n_threads = ctx_params.n_threads_batch = threads
+        ctx_params.no_perf = True
+        self.ctx = lc.llama_init_from_model(self.model, ctx_params)
+        if not self.ctx:
+            lc.llama_model_free(self.model)
+            raise ValueError(f"llama.cpp cannot make a context of {n_ctx} cells for {path}")
+        self.memory = lc.llama_get_memory(self.ctx)
+        self.vocab_size = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
+        self.n_batch, self.n_seq_max = n_batch, n_seq_max
+        self._batch = lc.llama_batch_init(n_batch, 0, n_seq_max)
+
+    def close(self) -> None:
+        lc = self._lc
+        if self.ctx:
+            lc.llama_batch_free(self._batch)
+            lc.llama_free(self.ctx)
+            lc.llama_model_free(self.model)
+            self.ctx = self.model = None
+
+    def __del__(self) -> None:
+        self.close()
+
+    def decode(self, tokens: Sequence[int], positions: Sequence[int],
+               seq_ids: Sequence[Sequence[int]], outputs: Sequence[bool]) -> np.ndarray:
+        """One `llama_decode` of these rows; the logits [rows with outputs, vocab] (float32)."""
+        n = len(tokens)
+        if not 0 < n <= self.n_batch:
+            raise ValueError(f"a decode takes 1..{self.n_batch} rows, got {n}")
+        batch = self._batch
+        for i in range(n):
+            batch.token[i], batch.pos[i] = tokens[i], positions[i]
+            batch.n_seq_id[i] = len(seq_ids[i])
+            for j, s in enumerate(seq_ids[i]):
+                batch.seq_id[i][j] = s
+            batch.logits[i] = bool(outputs[i])
+        batch.n_tokens = n
+        code = self._lc.llama_decode(self.ctx, batch)
+        if code != 0:
+            raise RuntimeError(f"llama_decode failed ({code}) on a batch of {n} rows")
+        wanted = sum(bool(o) for o in outputs)
+        if not wanted:
+            return np.empty((0, self.vocab_size), dtype=np.float32)
+        logits = self._lc.llama_get_logits(self.ctx)
+        return np.ctypeslib.as_array(logits, shape=(wanted, self.vocab_size)).copy()
+
+    # the KV cache, by sequence ----------------------------------------------------------------
+    def seq_copy(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Adds `dst` to the cells of `src` at positions [p0, p1) (negative: unbounded)."""
+        self._lc.llama_memory_seq_cp(self.memory, src, dst, p0, p1)
+
+    def seq_remove(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+        """Removes `seq` from its cells at positions [p0, p1); cells left in no sequence free."""
+        self._lc.llama_memory_seq_rm(self.memory, seq, p0, p1)
+
+    def seq_max(self, seq: int) -> int:
+        """The largest position held for `seq` (-1: none)."""
+        return self._lc.llama_memory_seq_pos_max(self.memory, seq)
+
+
+_CALLBACK = []  # the log callback, kept alive while llama.cpp may call it
+
+
+def _quiet(lc):
+    """llama.cpp's log callback that prints its errors only."""
+    if not _CALLBACK:
+        def log(level, text, user_data):
+            if level == 4:  # GGML_LOG_LEVEL_ERROR
+                os.write(2, text)
+        _CALLBACK.append(lc.llama_log_callback(log))
+    return _CALLBACK[0]

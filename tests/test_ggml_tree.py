@@ -1,0 +1,148 @@
+"""Token trees through llama.cpp's sequence sets, on the default model's GGUF: one decode batch
+gives each tree node the logits of its own root-to-node chain decoded alone (chains, wide
+trees, two requests and a prefill chunk in one batch), and a committed path then decodes as if
+the tree had never been there. Skipped where llama-cpp-python is not installed."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from specmesh_services.common import models
+from specmesh_services.verifier.ggml_batch import tree_rows
+from specmesh_services.verifier.ggml_model import GgmlModel, available
+
+# ggml's products for a row depend on the rows batched with it (other kernel paths, other
+# reductions): the same chain decoded in another batch rounds differently, far below a logit's
+# scale; measured worst case on SmolLM2 Q4_1 well under this
+TOLERANCE = 0.05  # max |difference| / max |logit| of the row
+
+
+def tree(seed: int, nodes: int, vocab: int) -> tuple[list[int], list[int]]:
+    """(tokens, parents) of a random tree: row 0 the root, each row's parent an earlier row."""
+    rng = random.Random(seed)
+    parents = [-1] + [rng.randrange(i) for i in range(1, nodes + 1)]
+    return [rng.randrange(vocab) for _ in range(nodes + 1)], parents
+
+
+def test_rows_carry_the_leaves_below_them():
+    rows = tree_rows([5, 6, 7, 8, 9], [-1, 0, 1, 0, 3], root_pos=10, main_seq=0,
+                     free_seqs=[3, 4, 5])
+    assert rows.positions == [10, 11, 12, 11, 12]
+    assert rows.leaf_seqs == [3, 4]  # leaves: rows 2 and 4
+    assert rows.seq_ids == [[0, 3, 4], [3], [3], [4], [4]]
+    chain = tree_rows([1, 2, 3], [-1, 0, 1], 0, 7, [8])
+    assert chain.seq_ids == [[7, 8], [8], [8]] and chain.leaf_seqs == [8]
+    alone = tree_rows([1], [-1], 4, 2, [])
+    assert alone.seq_ids == [[2]] and alone.leaf_seqs == []
+    with pytest.raises(ValueError, match="needs as many free sequences"):
+        tree_rows([1, 2, 3], [-1, 0, 0], 0, 0, [1])
+    with pytest.raises(ValueError, match="must be an earlier row"):
+        tree_rows([1, 2], [-1, 1], 0, 0, [1])
+
+
+@pytest.fixture(scope="module")
+def ggml(tokenizer):
+    if (why := available()) is not None:
+        pytest.skip(why)
+    path = models.gguf_inputs(models.REGISTRY["smollm2-135m"])[0]
+    model = GgmlModel(path, n_ctx=2048, n_batch=256, n_seq_max=64, threads=2)
+    yield model
+    model.close()
+
+
+def prompt_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def alone(ggml: GgmlModel, context_seq: int, scratch: int, chain: list[int], start: int):
+    """The logits of the last token of `chain` decoded alone after `context_seq`'s cells."""
+    ggml.seq_copy(context_seq, scratch, 0, start)  # the context only, not the tree's root
+    out = ggml.decode(chain, list(range(start, start + len(chain))),
+                      [[scratch]] * len(chain), [False] * (len(chain) - 1) + [True])[0]
+    ggml.seq_remove(scratch)
+    return out
+
+
+def assert_close(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    scale = float(np.abs(want).max())
+    worst = float(np.abs(got - want).max())
+    assert worst <= TOLERANCE * scale, f"{what}: max diff {worst:.4f} of {scale:.2f}"
+
+
+def path_to(rows, parents: list[int], i: int) -> list[int]:
+    out = []
+    while i >= 0:
+        out.append(rows.tokens[i])
+        i = parents[i]
+    return out[::-1]
+
+
+@pytest.mark.parametrize("shape", ["chain", "wide", "two requests + a prefill chunk"])
+def test_each_node_gets_its_own_chains_logits(ggml, tokenizer, shape):
+    first = prompt_ids(tokenizer, "The quick brown fox jumps over the lazy dog because")
+    second = prompt_ids(tokenizer, "def fibonacci(n):\n    ")
+    ggml.seq_remove(-1)
+    ggml.decode(first[:-1], list(range(len(first) - 1)), [[0]] * (len(first) - 1),
+                [False] * (len(first) - 1))
+    requests = [(0, first, list(range(1, 31)))]
+    tokens, parents = (([first[-1], *first[:8]], [-1, *range(8)]) if shape == "chain" else
+                       tree(1, 24, ggml.vocab_size))
+    tokens[0] = first[-1]
+    batches = [(tree_rows(tokens, parents, len(first) - 1, 0, requests[0][2]), parents)]
+    prefill = []
+    if shape.startswith("two"):
+        ggml.decode(second[:-1], list(range(len(second) - 1)), [[31]] * (len(second) - 1),
+                    [False] * (len(second) - 1))
+        t2, p2 = tree(2, 12, ggml.vocab_size)
+        t2[0] = second[-1]
+        batches.append((tree_rows(t2, p2, len(second) - 1, 31, list(range(32, 60))), p2))
+        chunk = prompt_ids(tokenizer, "Once upon a time, in a land far away,")
+        prefill = [(c, i, [60], False) for i, c in enumerate(chunk)]
+    for rows, _ in batches:
+        main = rows.seq_ids[0][0]
+        for leaf in rows.leaf_seqs:
+            ggml.seq_copy(main, leaf)
+    flat = [(t, p, s, True) for rows, _ in batches
+            for t, p, s in zip(rows.tokens, rows.positions, rows.seq_ids)] + prefill
+    logits = ggml.decode(*map(list, zip(*flat)))
+    at = 0
+    for (rows, parents), context in zip(batches, (first, second)):
+        main = rows.seq_ids[0][0]
+        for i in range(len(rows.tokens)):
+            chain = path_to(rows, parents, i)
+            want = alone(ggml, main, 63, chain, len(context) - 1)
+            assert_close(logits[at + i], want, f"{shape}: row {i}")
+        at += len(rows.tokens)
+    ggml.seq_remove(-1)
+
+
+def test_a_committed_path_decodes_as_if_the_tree_was_never_there(ggml, tokenizer):
+    prompt = prompt_ids(tokenizer, "Speculative decoding makes a large model faster by")
+    ggml.seq_remove(-1)
+    n = len(prompt) - 1
+    ggml.decode(prompt[:-1], list(range(n)), [[0]] * n, [False] * n)
+    tokens, parents = tree(5, 20, ggml.vocab_size)
+    tokens[0] = prompt[-1]
+    rows = tree_rows(tokens, parents, n, 0, list(range(1, 40)))
+    for leaf in rows.leaf_seqs:
+        ggml.seq_copy(0, leaf)
+    ggml.decode(rows.tokens, rows.positions, rows.seq_ids, [True] * len(rows.tokens))
+    # accept the path root -> deepest node of the first leaf's branch, one node short of it
+    leaf_row = max(i for i in range(len(tokens)) if rows.seq_ids[i] == [rows.leaf_seqs[0]])
+    path = path_to(rows, parents, parents[leaf_row])
+    accepted = len(path) - 1  # nodes below the root
+    ggml.seq_copy(rows.leaf_seqs[0], 0, n + 1, n + 1 + accepted)
+    for leaf in rows.leaf_seqs:
+        ggml.seq_remove(leaf)
+    assert ggml.seq_max(0) == n + accepted
+    bonus = 42
+    got = ggml.decode([bonus], [n + 1 + accepted], [[0]], [True])[0]
+    ggml.seq_remove(-1)
+    m = len(prompt) + accepted
+    plain = [*prompt, *path[1:], bonus]
+    want = ggml.decode(plain, list(range(m + 1)), [[5]] * (m + 1), [False] * m + [True])[0]
+    ggml.seq_remove(-1)
+    assert_close(got, want, "after the commit")
+    assert int(np.argmax(got)) == int(np.argmax(want))
