@@ -13,10 +13,9 @@ from specmesh_services.common import models
 from specmesh_services.verifier.ggml_batch import tree_rows
 from specmesh_services.verifier.ggml_model import GgmlModel, available
 
-# ggml's products for a row depend on the rows batched with it (other kernel paths, other
-# reductions): the same chain decoded in another batch rounds differently, far below a logit's
-# scale; measured worst case on SmolLM2 Q4_1 well under this
-TOLERANCE = 0.05  # max |difference| / max |logit| of the row
+# a row's logits may depend on the rows batched with it where ggml picks other kernels for
+# other batch shapes; measured on SmolLM2 Q4_1 (Sapphire Rapids, plain CPU kernels): identical
+TOLERANCE = 1e-3  # max |difference| / max |logit| of the row
 
 
 def tree(seed: int, nodes: int, vocab: int) -> tuple[list[int], list[int]]:

@@ -38,6 +38,9 @@ class GgmlModel:
         lc.llama_backend_init()
         lc.llama_log_set(_quiet(lc), ctypes.c_void_p(0))
         params = lc.llama_model_default_params()
+        # ggml's AMX path (weights repacked into an extra buffer) crashes in its matrix product
+        # on a Sapphire Rapids host (Q4_1, llama.cpp of 0.3.36): AMX CPUs keep the plain kernels
+        params.use_extra_bufts = not _has_amx()
         self.model = lc.llama_model_load_from_file(str(path).encode(), params)
         if not self.model:
             raise ValueError(f"llama.cpp cannot load {path}")
@@ -102,6 +105,12 @@ class GgmlModel:
     def seq_max(self, seq: int) -> int:
         """The largest position held for `seq` (-1: none)."""
         return self._lc.llama_memory_seq_pos_max(self.memory, seq)
+
+
+def _has_amx() -> bool:
+    from specmesh_kernels.cpu_probe import cpu_has
+
+    return cpu_has("amx_int8", "amx_bf16", "amx_tile")
 
 
 _CALLBACK = []  # the log callback, kept alive while llama.cpp may call it
