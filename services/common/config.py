@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -26,6 +27,9 @@ DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_GATEWAY_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
 ENV_PREFIX = "SPECMESH_"
+
+
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")  # the device setting's values
 
 
 class SettingsError(ValueError):
@@ -230,7 +234,7 @@ class Settings(BaseSettings):
                        "(`specmesh models list`), a local Hugging Face directory, or a Hugging "
                        "Face Hub id (owner/name[@revision], fetched through the Hub cache; "
                        "HF_HUB_OFFLINE=1: the cached snapshot only)")
-    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+    device: str = Field("auto",
                         description="where the models and their caches run: auto (the first GPU "
                                     "torch sees, else the CPU), cpu, cuda or cuda:N; the "
                                     "datastore stays on the CPU")
@@ -311,6 +315,13 @@ class Settings(BaseSettings):
     datastore: DatastoreSettings = Field(default_factory=DatastoreSettings)
     router: RouterSettings = Field(default_factory=RouterSettings)
     log_level: str = Field("INFO", description="logging level: DEBUG, INFO, WARNING, ...")
+
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, value: str) -> str:
+        if DEVICE_PATTERN.fullmatch(value) is None:
+            raise ValueError("expected auto, cpu, cuda or cuda:N")
+        return value
 
     @field_validator("drafters", mode="before")
     @classmethod

@@ -6,15 +6,11 @@ request. The datastore and the pool stay on the CPU whatever this says.
 """
 from __future__ import annotations
 
-import re
-
 import torch
 
-from specmesh_services.common.config import SettingsError
+from specmesh_services.common.config import DEVICE_PATTERN, SettingsError
 
-__all__ = ["DEVICE_PATTERN", "check", "resolve_device"]
-
-DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
+__all__ = ["check", "resolve_device"]
 
 
 def resolve_device(name: str) -> torch.device:

@@ -108,13 +108,7 @@ class VerifierEngine:
         self.name = name
         self.limits = limits or EngineLimits()
         self.backend = backend or select_attention_backend(lm.device)
-        cfg = lm.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.store = KVStore(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim,
-                             self.limits.kv_budget_tokens, self.limits.block_size, lm.dtype,
-                             lm.device, compact=self.backend.compact)
-        self.target = PackedTarget(lm if isinstance(lm, LeanDecoder) else lm.model, self.store,
-                                   self.backend)
+        self.store, self.target = self._kv_and_forward()
         self.requests: dict[str, RequestKV] = {}
         # every tree row drawn at once where the logits live, one copy to the host a step (a
         # GPU); else the walk samples the rows it visits (fewer products on a CPU)
@@ -128,6 +122,16 @@ class VerifierEngine:
         # after its step, from the hidden state the step just computed
         self.heads = None
         self.heads_seconds = 0.0
+
+    def _kv_and_forward(self):
+        """The KV store and the batched forward over it (another backend's in a subclass)."""
+        lm, cfg = self.lm, self.lm.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        store = KVStore(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim,
+                        self.limits.kv_budget_tokens, self.limits.block_size, lm.dtype,
+                        lm.device, compact=self.backend.compact)
+        return store, PackedTarget(lm if isinstance(lm, LeanDecoder) else lm.model, store,
+                                   self.backend)
 
     # request lifecycle ------------------------------------------------------------------------
     def ready_for(self, request_id: str, base_len: int) -> bool:
@@ -210,8 +214,8 @@ class VerifierEngine:
         if planned:
             forward_start = time.perf_counter()
             logits = self.target.forward([p.segment for p in planned.values()])
-            if self.store.k.is_cuda:  # the forward's own time, not its launch (the walk syncs)
-                torch.cuda.synchronize(self.store.k.device)
+            if self.lm.device.type == "cuda":  # the forward's own time, not its launch
+                torch.cuda.synchronize(self.lm.device)
             forward_end = time.perf_counter()
             seconds = forward_end - start
             trees = sum(1 for p in planned.values() if p.tree is not None)

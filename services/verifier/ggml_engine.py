@@ -1,0 +1,155 @@
+"""The verifier engine over llama.cpp (ggml_model.py): the same planning, continuous batching,
+walk and results as `VerifierEngine`, with the KV cache kept by llama.cpp and edited by sequence
+operations. Each request holds one sequence; a step's trees get leaf sequences (ggml_batch.py)
+and are decoded with every request's rows and prefill chunks in one `llama_decode`.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specmesh_services.verifier.engine import EngineLimits, VerifierEngine
+from specmesh_services.verifier.ggml_batch import TreeRows, tree_rows
+from specmesh_services.verifier.ggml_model import GgmlModel
+from specmesh_services.verifier.packed import Segment
+
+__all__ = ["GgmlEngine", "GgmlLM"]
+
+
+@dataclass
+class GgmlLM:
+    """What the engine and its servicer read of a target served by llama.cpp."""
+
+    model: GgmlModel
+    name: str
+    context_length: int
+    dtype: torch.dtype = torch.float32  # the logits'; the weights are the GGUF's own
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+
+@dataclass(frozen=True)
+class _Backend:
+    name: str = "llama.cpp"
+
+
+class GgmlStore:
+    """`KVStore`'s interface over llama.cpp's cache: a sequence per request, lengths counted
+    here, a budget of `capacity` cells for all of them (llama.cpp's context)."""
+
+    block_size = 1
+
+    def __init__(self, model: GgmlModel, capacity: int) -> None:
+        self.model = model
+        self.capacity = capacity
+        self.seq: dict[str, int] = {}
+        self.lengths: dict[str, int] = {}
+        self.reserved: dict[str, int] = {}
+        self.free_seqs = list(range(model.n_seq_max - 1, -1, -1))  # pop() = lowest
+        self.trees: dict[str, tuple[TreeRows, int]] = {}  # the last step's tree rows, their base
+
+    @property
+    def used_blocks(self) -> int:
+        return sum(self.reserved.values())
+
+    def length(self, request_id: str) -> int:
+        return self.lengths.get(request_id, 0)
+
+    def sequence(self, request_id: str) -> int:
+        if request_id not in self.seq:
+            if not self.free_seqs:
+                raise ValueError(f"no free llama.cpp sequence for {request_id} "
+                                 f"(n_seq_max {self.model.n_seq_max})")
+            self.seq[request_id] = self.free_seqs.pop()
+        return self.seq[request_id]
+
+    def reserve(self, request_id: str, positions: int) -> bool:
+        others = self.used_blocks - self.reserved.get(request_id, 0)
+        if others + positions > self.capacity:
+            return False
+        self.sequence(request_id)
+        self.reserved[request_id] = max(positions, self.reserved.get(request_id, 0))
+        return True
+
+    def free(self, request_id: str) -> int:
+        seq = self.seq.pop(request_id, None)
+        self.lengths.pop(request_id, None)
+        self.trees.pop(request_id, None)
+        if seq is None:
+            return 0
+        self.model.seq_remove(seq)
+        self.free_seqs.append(seq)
+        return self.reserved.pop(request_id, 0)
+
+    def set_length(self, request_id: str, length: int) -> None:
+        """Positions 0 .. length - 1 committed; cells past them dropped."""
+        self.model.seq_remove(self.sequence(request_id), length)
+        self.lengths[request_id] = length
+
+    def truncate_blocks(self, request_id: str) -> None:
+        self.reserved[request_id] = self.length(request_id)
+
+    def commit(self, request_id: str, base: int, keep: Sequence[int]) -> None:
+        """After a step whose rows from `base` (the root) on were a tree: the accepted rows
+        `keep` (row offsets from the root, ascending, the root first) join the request's
+        sequence; the tree's other rows are dropped with its leaf sequences."""
+        seq, end = self.sequence(request_id), base + len(keep)
+        rows, first = self.trees.pop(request_id, (None, 0))
+        if rows is not None:
+            leaf = rows.leaf_of[first + keep[-1]]  # `first`: the root's row in the segment
+            self.model.seq_copy(leaf, seq, rows.positions[0] + 1, end)
+            for s in rows.leaf_seqs:
+                self.model.seq_remove(s)
+                self.free_seqs.append(s)
+        self.model.seq_remove(seq, end)  # a chain's rejected rows
+        self.lengths[request_id] = end
+        self.truncate_blocks(request_id)
+
+
+class GgmlTarget:
+    """`PackedTarget`'s forward: the segments' rows in one decode (trees over leaf sequences,
+    chains and prefill chunks in the request's own sequence), logits of the rows asked for."""
+
+    def __init__(self, model: GgmlModel, store: GgmlStore) -> None:
+        self.model, self.store = model, store
+        self.hidden: list | None = None  # final hidden states: not from this backend yet
+        self.survivors: list = []
+
+    def forward(self, segments: list[Segment]) -> list[torch.Tensor]:
+        store, rows = self.store, []
+        for s in segments:
+            seq, n = store.sequence(s.request_id), s.num_rows
+            chain = bool(torch.equal(s.mask, torch.ones(n, n, dtype=torch.bool).tril()))
+            tokens, positions = s.tokens.tolist(), s.positions.tolist()
+            if chain:
+                seq_ids = [[seq]] * n
+            else:  # row i's parent: its nearest earlier visible row
+                parents = [-1] + [int(s.mask[i, :i].nonzero().max()) for i in range(1, n)]
+                tree = tree_rows(tokens, parents, positions[0], seq, store.free_seqs[::-1])
+                del store.free_seqs[len(store.free_seqs) - len(tree.leaf_seqs):]
+                for leaf in tree.leaf_seqs:
+                    self.model.seq_copy(seq, leaf, 0, s.start)
+                store.trees[s.request_id] = (tree, s.logits_from)
+                seq_ids, positions = tree.seq_ids, tree.positions
+            rows += [(t, p, q, i >= s.logits_from)
+                     for i, (t, p, q) in enumerate(zip(tokens, positions, seq_ids))]
+        logits = torch.from_numpy(self.model.decode(*map(list, zip(*rows))))
+        self.survivors = [None] * len(segments)
+        return list(logits.split([s.num_rows - s.logits_from for s in segments]))
+
+
+class GgmlEngine(VerifierEngine):
+    """`VerifierEngine` with llama.cpp's kernels and cache for the target."""
+
+    def __init__(self, model: GgmlModel, name: str = "verifier",
+                 limits: EngineLimits | None = None, context_length: int = 8192) -> None:
+        super().__init__(GgmlLM(model, name, context_length), name, limits, _Backend())
+
+    def _kv_and_forward(self):
+        store = GgmlStore(self.lm.model, self.limits.kv_budget_tokens)
+        return store, GgmlTarget(self.lm.model, store)
