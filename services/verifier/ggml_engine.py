@@ -1,7 +1,8 @@
 """The verifier engine over llama.cpp (ggml_model.py): the same planning, continuous batching,
 walk and results as `VerifierEngine`, with the KV cache kept by llama.cpp and edited by sequence
 operations. Each request holds one sequence; a step's trees get leaf sequences (ggml_batch.py)
-and are decoded with every request's rows and prefill chunks in one `llama_decode`.
+and are decoded with every request's rows and prefill chunks in one `llama_decode`. Not served
+yet: its decode cost grows nearly linearly with the rows (docs/decisions/ggml-target.md).
 """
 from __future__ import annotations
 

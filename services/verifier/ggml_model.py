@@ -40,6 +40,7 @@ class GgmlModel:
         params = lc.llama_model_default_params()
         # ggml's AMX path (weights repacked into an extra buffer) crashes in its matrix product
         # on a Sapphire Rapids host (Q4_1, llama.cpp of 0.3.36): AMX CPUs keep the plain kernels
+        # (docs/decisions/ggml-target.md)
         params.use_extra_bufts = not _has_amx()
         self.model = lc.llama_model_load_from_file(str(path).encode(), params)
         if not self.model:
