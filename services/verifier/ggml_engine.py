@@ -125,12 +125,11 @@ class GgmlTarget:
         store, rows = self.store, []
         for s in segments:
             seq, n = store.sequence(s.request_id), s.num_rows
-            chain = bool(torch.equal(s.mask, torch.ones(n, n, dtype=torch.bool).tril()))
             tokens, positions = s.tokens.tolist(), s.positions.tolist()
-            if chain:
+            parents = _segment_parents(s)
+            if all(p == i - 1 for i, p in enumerate(parents)):  # a chain: the request's own
                 seq_ids = [[seq]] * n
-            else:  # row i's parent: its nearest earlier visible row
-                parents = [-1] + [int(s.mask[i, :i].nonzero().max()) for i in range(1, n)]
+            else:
                 tree = tree_rows(tokens, parents, positions[0], seq, store.free_seqs[::-1])
                 del store.free_seqs[len(store.free_seqs) - len(tree.leaf_seqs):]
                 for leaf in tree.leaf_seqs:
@@ -142,6 +141,15 @@ class GgmlTarget:
         logits = torch.from_numpy(self.model.decode(*map(list, zip(*rows))))
         self.survivors = [None] * len(segments)
         return list(logits.split([s.num_rows - s.logits_from for s in segments]))
+
+
+def _segment_parents(s: Segment) -> list[int]:
+    """Each row's parent row in the segment: the pending chain first, then the tree (the
+    compiled tree's parents, its root under the chain's last row)."""
+    if s.parents is None:  # a prefill chunk
+        return list(range(-1, s.num_rows - 1))
+    chain = s.logits_from  # the chain's rows come before the tree's root
+    return [*range(-1, chain), *(chain + p for p in s.parents.tolist()[1:])]
 
 
 class GgmlEngine(VerifierEngine):
