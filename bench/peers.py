@@ -23,7 +23,7 @@ from specmesh_services.common import models
 from specmesh_services.common.config import Settings
 from specmesh_services.common.serving import compute_executor
 
-ENGINES = ("transformers", "specmesh", "llama.cpp", "vllm")
+ENGINES = ("transformers", "specmesh", "specmesh-ggml", "llama.cpp", "vllm")
 DRAFTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}  # peers' draft models (same tokenizer)
 # n-gram lookup as vLLM's docs example (match 2-4 tokens, draft 5); llama.cpp's lookup sizes are
 # for long repeats (12 -> 48), here matched to short ones; draft models: llama-server's defaults
@@ -95,24 +95,31 @@ class Bench:
                 result = compute.submit(run_plain, self.config, self.prompts, [c]).result()[c]
                 self.add("transformers", "plain", c, dtype, result.outputs, result.seconds)
 
-    def specmesh(self, compute) -> None:
+    def specmesh(self, compute, runner: str = "auto") -> None:
+        """specmesh plain and with its serving defaults (auto: the target runner they pick);
+        `runner` ggml: the target on llama.cpp's kernels and its GGUF file (specmesh-ggml)."""
         from bench.router import run_mesh
-        from specmesh_services.verifier.server import served_weights
+        from specmesh_services.verifier.server import served_runner, served_weights
 
-        settings = Settings(model=self.config.model, dtype=self.args.dtype)
+        engine = "specmesh-ggml" if runner == "ggml" else "specmesh"
+        settings = Settings(model=self.config.model, dtype=self.args.dtype, target_runner=runner)
         path = models.resolve(self.config.model, settings.cache_dir)
         plain = settings.with_overrides(**{"speculation.depth": 0})
         for mode, mesh in (("plain", plain), ("default", settings)):
-            weights = compute.submit(served_weights, mesh, path).result()
-            weights = self.config.dtype + (" + int4 (GGUF codes)" if weights == "native" else "")
+            if served_runner(mesh) == "ggml":
+                weights = f"GGUF {peers_llama.quant(models.gguf_file(mesh.model, mesh.cache_dir))}"
+            else:
+                weights = compute.submit(served_weights, mesh, path).result()
+                weights = self.config.dtype + (" + int4 (GGUF codes)" if weights == "native"
+                                               else "")
             for c in self.args.batches:
-                say(f"specmesh {mode} batch {c}")
+                say(f"{engine} {mode} batch {c}")
                 try:
                     r: MethodResult = run_mesh(self.config, self.prompts, mesh, c, compute, mode)
-                    self.add("specmesh", mode, c, weights, r.outputs, r.seconds,
+                    self.add(engine, mode, c, weights, r.outputs, r.seconds,
                              accepted_length=r.mean_accepted_length)
                 except Exception as e:  # noqa: BLE001 - reported, the other engines still run
-                    self.add("specmesh", mode, c, weights, error=f"{type(e).__name__}: {e}")
+                    self.add(engine, mode, c, weights, error=f"{type(e).__name__}: {e}")
 
     # --- llama.cpp, a server per mode ----------
     def llama(self) -> None:
@@ -238,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.threads} threads, engines {' '.join(args.engines)}")
     bench = Bench(args, config, prompts, set(models.eos_token_ids(path, tokenizer)))
     steps = {"transformers": lambda: bench.transformers(compute),
-             "specmesh": lambda: bench.specmesh(compute), "llama.cpp": bench.llama,
+             "specmesh": lambda: bench.specmesh(compute),
+             "specmesh-ggml": lambda: bench.specmesh(compute, "ggml"), "llama.cpp": bench.llama,
              "vllm": bench.vllm}
     for engine in ENGINES:  # transformers first: its batch-1 outputs are the reference
         if engine in args.engines:

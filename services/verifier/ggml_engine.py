@@ -1,8 +1,9 @@
 """The verifier engine over llama.cpp (ggml_model.py): the same planning, continuous batching,
 walk and results as `VerifierEngine`, with the KV cache kept by llama.cpp and edited by sequence
 operations. Each request holds one sequence; a step's trees get leaf sequences (ggml_batch.py)
-and are decoded with every request's rows and prefill chunks in one `llama_decode`. Not served
-yet: its decode cost grows nearly linearly with the rows (docs/decisions/ggml-target.md).
+and are decoded with every request's rows and prefill chunks in one `llama_decode`. Served as
+`target_runner=ggml`; its decode cost grows with the rows faster than the torch target's
+(docs/decisions/ggml-target.md).
 """
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ from specmesh_services.verifier.ggml_batch import TreeRows, tree_rows
 from specmesh_services.verifier.ggml_model import GgmlModel
 from specmesh_services.verifier.packed import Segment
 
-__all__ = ["GgmlEngine", "GgmlLM"]
+__all__ = ["GgmlEngine", "GgmlLM", "load_target"]
+
+# llama.cpp's limit on sequence ids (LLAMA_MAX_SEQ): one per request, one per leaf of its tree
+MAX_SEQUENCES = 256
 
 
 @dataclass
@@ -155,10 +159,29 @@ def _segment_parents(s: Segment) -> list[int]:
 class GgmlEngine(VerifierEngine):
     """`VerifierEngine` with llama.cpp's kernels and cache for the target."""
 
-    def __init__(self, model: GgmlModel, name: str = "verifier",
-                 limits: EngineLimits | None = None, context_length: int = 8192) -> None:
-        super().__init__(GgmlLM(model, name, context_length), name, limits, _Backend())
+    def __init__(self, lm: GgmlLM, name: str = "verifier",
+                 limits: EngineLimits | None = None) -> None:
+        super().__init__(lm, name, limits, _Backend())
 
     def _kv_and_forward(self):
         store = GgmlStore(self.lm.model, self.limits.kv_budget_tokens)
         return store, GgmlTarget(self.lm.model, store)
+
+
+def load_target(settings) -> GgmlLM:
+    """The target of `settings` on llama.cpp: its GGUF file (models.gguf_file) in one context of
+    `verifier.kv_budget_tokens` cells, batches of `verifier.max_batch_tokens` rows (at most the
+    cells), the calling thread's cores (the verifier's placement)."""
+    import os
+
+    from specmesh_services.common import models
+    from specmesh_services.verifier.ggml_model import available
+
+    if (why := available()) is not None:
+        raise ValueError(f"target_runner=ggml: {why}")
+    path = models.gguf_file(settings.model, settings.cache_dir)
+    v = settings.verifier
+    model = GgmlModel(path, n_ctx=v.kv_budget_tokens,
+                      n_batch=min(v.max_batch_tokens, v.kv_budget_tokens),
+                      n_seq_max=MAX_SEQUENCES, threads=len(os.sched_getaffinity(0)))
+    return GgmlLM(model, settings.model, model.context_length)

@@ -57,6 +57,8 @@ class GgmlModel:
             raise ValueError(f"llama.cpp cannot make a context of {n_ctx} cells for {path}")
         self.memory = lc.llama_get_memory(self.ctx)
         self.vocab_size = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
+        self.context_length = lc.llama_model_n_ctx_train(self.model)
+        self.path, self.threads = Path(path), threads
         self.n_batch, self.n_seq_max = n_batch, n_seq_max
         self._batch = lc.llama_batch_init(n_batch, 0, n_seq_max)
 

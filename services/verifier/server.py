@@ -10,6 +10,7 @@ import torch
 from specmesh_services.common import metrics, models, pool as pool_mod, serving
 from specmesh_services.common.config import Settings
 from specmesh_services.common.device import check as check_device
+from specmesh_services.common.device import resolve_device
 from specmesh_services.common.drafts import heads_spec, serves_heads
 from specmesh_services.common.lean import LeanDecoder
 from specmesh_services.common.lean import supports as lean_supports
@@ -19,7 +20,9 @@ from specmesh_services.common.rpc import start_server
 from specmesh_kernels.backend import select_attention_backend
 from specmesh_kernels.int4 import exact_int4
 from specmesh_kernels.linear_rules import native_supports
+from specmesh_services.verifier import ggml_engine
 from specmesh_services.verifier.engine import EngineLimits, VerifierEngine
+from specmesh_services.verifier.ggml_engine import GgmlLM
 from specmesh_services.verifier.servicer import SERVICE_NAME, VerifierServicer
 from specmesh_services.verifier.worker import VerifierWorker, default_name
 from specmesh.v1 import verifier_pb2_grpc
@@ -47,6 +50,28 @@ def served_weights(settings: Settings, path) -> str:
     return "native" if models.int4_share(path) >= NATIVE_MIN_SHARE else "float"
 
 
+def served_runner(settings: Settings) -> str:
+    """`target_runner`, auto resolved to ggml (llama.cpp's kernels on the model's GGUF file)
+    where the dtype is left to auto, the device is the CPU, llama-cpp-python imports, nothing
+    needs the torch target (exact, early pruning, draft heads) and the model is a GGUF file or
+    a known model whose registry entry measured ggml faster (`auto_runner`;
+    docs/decisions/ggml-target.md); else as given (auto: the lean decoder loop where the
+    architecture allows)."""
+    from specmesh_services.verifier.ggml_model import available
+
+    runner = settings.target_runner
+    if runner != "auto" or settings.dtype != "auto" or settings.verifier.exact \
+            or settings.verifier.prune != "off" or serves_heads(settings):
+        return runner
+    source = models.REGISTRY.get(settings.model)
+    if source.auto_runner != "ggml" if source is not None \
+            else not models.is_gguf(Path(settings.model).expanduser()):
+        return runner
+    if resolve_device(settings.device).type != "cpu" or available() is not None:
+        return runner
+    return "ggml"
+
+
 def native_key(linear) -> bool:
     """Which layers a native target may fuse into one product: the 4-bit ones together, the
     others together (a fused product is int4 only when every part is). Judged on the first rows,
@@ -55,11 +80,19 @@ def native_key(linear) -> bool:
     return exact_int4(linear.weight[:models.INT4_PROBE_ROWS])
 
 
-def load_target(settings: Settings) -> CausalLM | LeanDecoder:
+def load_target(settings: Settings) -> CausalLM | LeanDecoder | GgmlLM:
     """The target as served: its converted weights in `dtype`, or its native 4-bit layers with
     float32 activations (`target_weights`), run by the lean decoder loop or transformers'
-    forward (`target_runner`); the output is lossless relative to these weights."""
+    forward, or its GGUF file by llama.cpp (`target_runner`); the output is lossless relative
+    to these weights."""
+    if served_runner(settings) == "ggml":
+        settings = settings.with_overrides(target_runner="ggml")
     device = check_device(settings)
+    if settings.target_runner == "ggml":
+        lm = ggml_engine.load_target(settings)
+        log.info("target %s on llama.cpp: %s, %d threads", settings.model, lm.model.path.name,
+                 lm.model.threads)
+        return lm
     path = models.resolve(settings.model, settings.cache_dir)
     weights = served_weights(settings, path) if device.type == "cpu" else "float"
     exact = settings.verifier.exact  # a row's bits independent of the rows beside it
@@ -88,11 +121,20 @@ def load_target(settings: Settings) -> CausalLM | LeanDecoder:
     return lm
 
 
-def build_engine(target: CausalLM | LeanDecoder, settings: Settings, name: str) -> VerifierEngine:
+def build_engine(target: CausalLM | LeanDecoder | GgmlLM, settings: Settings,
+                 name: str) -> VerifierEngine:
     """The verifier engine as `settings.verifier` configures it (KV budget, batch, backend)."""
     v = settings.verifier
     limits = EngineLimits(kv_budget_tokens=v.kv_budget_tokens, block_size=v.kv_block_size,
                           max_batch_tokens=v.max_batch_tokens, max_batch_trees=v.batch_size)
+    if isinstance(target, GgmlLM):
+        if serves_heads(settings) or v.prune != "off":
+            raise ValueError("target_runner=ggml serves no draft heads and no early pruning "
+                             "(they read the torch target's hidden states): use another "
+                             "speculation.source or target_runner")
+        log.info("verifier %s on llama.cpp: %d KV cells, batch %d trees / %d rows", name,
+                 v.kv_budget_tokens, v.batch_size, v.max_batch_tokens)
+        return ggml_engine.GgmlEngine(target, name, limits)
     backend = select_attention_backend(target.device, v.attention, v.exact)
     engine = VerifierEngine(target, name, limits, backend)
     if serves_heads(settings):

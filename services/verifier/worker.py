@@ -27,6 +27,9 @@ from specmesh_services.common.metrics import VerifierMetrics
 
 log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)
+# the batch wait reads the verify-cost fit every step; refitting it once per this many steps
+# keeps the solve off the step-to-step path (the fit moves little between steps)
+REFIT_STEPS = 16
 
 
 class VerifierWorker:
@@ -137,7 +140,7 @@ class VerifierWorker:
         if wait is not None:
             return wait
         cost = getattr(self.engine, "cost", None)
-        fit = cost.fit() if cost is not None else None
+        fit = cost.fit(stale=REFIT_STEPS) if cost is not None else None
         if fit is None or not self._turnaround_s:
             return 0.5 * self._step_s  # not measured yet
         held = {t.entry.request_id for t in batch}

@@ -1,0 +1,103 @@
+"""The target served by llama.cpp (`target_runner=ggml`) in an embedded mesh on the default
+model's GGUF: trees drafted by the draft model (the target's full depth, so most of each tree
+is accepted) and plain decoding, 4 requests in flight, every output is llama.cpp's own plain
+greedy decoding of the same file or leaves it only at a near-tie (test_ggml_engine.py says
+why). A GGUF file given as the model is served by it. Settings that the backend cannot serve
+are refused with a message. Skipped where llama-cpp-python is not installed."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from specmesh_services.common import models
+from specmesh_services.common.device import check
+from specmesh_services.common.config import Settings, SettingsError
+from specmesh_services.launch.embedded import EmbeddedMesh
+from specmesh_services.verifier.ggml_model import available
+from specmesh_services.verifier.server import served_runner
+
+from test_ggml_engine import assert_plain_or_tie, plain_decoding  # tests/ is on the path
+
+QUESTIONS = 4
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def reference(chat_prompt_ids):
+    if (why := available()) is not None:
+        pytest.skip(why)
+    gguf = models.gguf_inputs(models.REGISTRY["smollm2-135m"])[0]
+    return plain_decoding(gguf, {i: chat_prompt_ids(i) for i in range(QUESTIONS)}, MAX_TOKENS)
+
+
+def serve(settings, questions, compute, engines: list | None = None):
+    """The questions' responses from an embedded mesh of `settings` (its verifier engine
+    appended to `engines` where given)."""
+    async def run():
+        async with EmbeddedMesh.start(settings, compute) as mesh:
+            if engines is not None:
+                engines.append(mesh.worker.engine)
+            return await asyncio.gather(*(
+                mesh.generate(messages=[{"role": "user", "content": q["turns"][0]}],
+                              max_tokens=MAX_TOKENS) for q in questions))
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("depth", [3, 0])
+def test_served_on_llama_cpp_gives_its_own_greedy_decoding(base_settings, questions, compute,
+                                                          reference, depth):
+    settings = base_settings.with_overrides(
+        target_runner="ggml", drafters=["layers:30"],
+        **{"speculation.depth": depth, "speculation.width": 2})
+    responses = serve(settings, questions[:QUESTIONS], compute)
+    outputs = {i: list(r.token_ids) for i, r in enumerate(responses)}
+    assert assert_plain_or_tie(outputs, reference) >= 1
+    for r in responses:
+        assert len(r.token_ids) == MAX_TOKENS or r.finish_reason == 1  # 1: stop (EOS)
+    drafted = sum(r.stats.draft_tokens for r in responses)
+    accepted = sum(r.stats.accepted_tokens for r in responses)
+    if depth:
+        assert drafted > 0 and accepted > 0.3 * drafted, (accepted, drafted)
+    else:
+        assert drafted == 0
+
+
+def test_a_kv_budget_smaller_than_the_requests_still_serves_them(base_settings, questions,
+                                                               compute, reference):
+    """llama.cpp's context as small as the KV budget, which holds about two of the four requests:
+    the others wait for room or are evicted and prefilled again (measured: 2 evictions), and
+    every output is still the plain decoding up to a near-tie (the re-prefilled rows are
+    computed in other calls than before, so more of them meet one)."""
+    settings = base_settings.with_overrides(
+        target_runner="ggml", drafters=["layers:30"],
+        **{"speculation.depth": 3, "verifier.kv_budget_tokens": 256})
+    engines = []
+    responses = serve(settings, questions[:QUESTIONS], compute, engines)
+    assert_plain_or_tie({i: list(r.token_ids) for i, r in enumerate(responses)}, reference)
+    assert all(len(r.token_ids) == MAX_TOKENS or r.finish_reason == 1 for r in responses)
+    assert engines[0].evictions > 0
+
+
+def test_a_gguf_file_is_a_model_served_by_llama_cpp(questions, compute, reference, tmp_path):
+    """`--model PATH.gguf`: converted once for its tokenizer, `auto` serves it on llama.cpp, and
+    one request decoded plainly is llama.cpp's own greedy decoding, token for token."""
+    gguf = models.gguf_inputs(models.REGISTRY["smollm2-135m"])[0]
+    settings = Settings(model=str(gguf), cache_dir=tmp_path).with_overrides(
+        **{"speculation.depth": 0})
+    assert served_runner(settings) == "ggml"
+    assert served_runner(settings.with_overrides(dtype="float32")) == "auto"
+    assert served_runner(Settings(cache_dir=tmp_path)) == "auto"  # the registry's choice
+    assert models.gguf_file(str(gguf), tmp_path) == gguf.resolve()
+    response = serve(settings, questions[:1], compute)[0]
+    assert list(response.token_ids) == reference[0][0][:len(response.token_ids)]
+    assert (tmp_path / "models").is_dir()  # the tokenizer's directory, converted once
+
+
+def test_what_llama_cpp_cannot_serve_is_refused(base_settings):
+    ggml = base_settings.with_overrides(target_runner="ggml")
+    with pytest.raises(SettingsError, match="verifier.exact needs the torch target"):
+        check(ggml.with_overrides(**{"verifier.exact": True}))
+    assert check(ggml).type == "cpu"
+    with pytest.raises(models.ModelNotFound, match="has no GGUF file"):
+        models.gguf_file("/nonexistent/model-dir", ggml.cache_dir)
