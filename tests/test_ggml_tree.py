@@ -145,3 +145,21 @@ def test_a_committed_path_decodes_as_if_the_tree_was_never_there(ggml, tokenizer
     ggml.seq_remove(-1)
     assert_close(got, want, "after the commit")
     assert int(np.argmax(got)) == int(np.argmax(want))
+
+
+def test_more_rows_than_a_batch_go_through_in_several_calls(tokenizer):
+    """A decode of more rows than `n_batch` (a first prompt larger than the step's row budget)
+    runs in calls of `n_batch` rows, each seeing the cells of the ones before: every row's
+    logits are those of one call over all the rows."""
+    path = models.gguf_inputs(models.REGISTRY["smollm2-135m"])[0]
+    prompt = prompt_ids(tokenizer, "A long prompt, longer than one batch of rows: " * 4)
+    n = len(prompt)
+    small = GgmlModel(path, n_ctx=256, n_batch=16, n_seq_max=2, threads=2)
+    whole = GgmlModel(path, n_ctx=256, n_batch=256, n_seq_max=2, threads=2)
+    args = (prompt, list(range(n)), [[0]] * n, [True] * n)
+    got, want = small.decode(*args), whole.decode(*args)
+    assert n > 32 and got.shape == want.shape == (n, whole.vocab_size)
+    for i in range(n):
+        assert_close(got[i], want[i], f"row {i}")
+    small.close()
+    whole.close()

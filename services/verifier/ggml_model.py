@@ -75,11 +75,20 @@ class GgmlModel:
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int],
                seq_ids: Sequence[Sequence[int]], outputs: Sequence[bool]) -> np.ndarray:
-        """One `llama_decode` of these rows; the logits [rows with outputs, vocab] (float32)."""
+        """`llama_decode` of these rows, `n_batch` rows a call (a row's ancestors always come
+        before it, so a later call sees the cells of an earlier one); the logits [rows with
+        outputs, vocab] (float32)."""
         n = len(tokens)
-        if not 0 < n <= self.n_batch:
-            raise ValueError(f"a decode takes 1..{self.n_batch} rows, got {n}")
-        batch = self._batch
+        if n == 0:
+            raise ValueError("a decode takes at least one row")
+        parts = [self._decode(tokens[i:i + self.n_batch], positions[i:i + self.n_batch],
+                              seq_ids[i:i + self.n_batch], outputs[i:i + self.n_batch])
+                 for i in range(0, n, self.n_batch)]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _decode(self, tokens: Sequence[int], positions: Sequence[int],
+                seq_ids: Sequence[Sequence[int]], outputs: Sequence[bool]) -> np.ndarray:
+        n, batch = len(tokens), self._batch
         for i in range(n):
             batch.token[i], batch.pos[i] = tokens[i], positions[i]
             batch.n_seq_id[i] = len(seq_ids[i])
