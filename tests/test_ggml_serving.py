@@ -14,6 +14,7 @@ from specmesh_services.common import models
 from specmesh_services.common.device import check
 from specmesh_services.common.config import Settings, SettingsError
 from specmesh_services.launch.embedded import EmbeddedMesh
+from specmesh_services.verifier import ggml_model
 from specmesh_services.verifier.ggml_model import available
 from specmesh_services.verifier.server import served_runner
 
@@ -94,10 +95,14 @@ def test_a_gguf_file_is_a_model_served_by_llama_cpp(questions, compute, referenc
     assert (tmp_path / "models").is_dir()  # the tokenizer's directory, converted once
 
 
-def test_what_llama_cpp_cannot_serve_is_refused(base_settings):
+def test_what_llama_cpp_cannot_serve_is_refused(base_settings, monkeypatch):
     ggml = base_settings.with_overrides(target_runner="ggml")
+    monkeypatch.setattr(ggml_model, "available", lambda: None)  # as where it is installed
+    assert check(ggml).type == "cpu"
     with pytest.raises(SettingsError, match="verifier.exact needs the torch target"):
         check(ggml.with_overrides(**{"verifier.exact": True}))
-    assert check(ggml).type == "cpu"
     with pytest.raises(models.ModelNotFound, match="has no GGUF file"):
         models.gguf_file("/nonexistent/model-dir", ggml.cache_dir)
+    monkeypatch.setattr(ggml_model, "available", lambda: "llama-cpp-python is not installed")
+    with pytest.raises(SettingsError, match="target_runner=ggml: llama-cpp-python is not"):
+        check(ggml)

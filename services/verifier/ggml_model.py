@@ -22,7 +22,8 @@ def available() -> str | None:
     try:
         import llama_cpp  # noqa: F401
     except ImportError as err:  # also a failed build's missing shared library
-        return f"llama-cpp-python is not installed ({err}): pip install 'specmesh[ggml]'"
+        return (f"llama-cpp-python is not installed ({err}): `make setup` builds it for this "
+                f"CPU (deploy/install-ggml.sh), or pip install 'specmesh[ggml]'")
     return None
 
 
