@@ -107,3 +107,29 @@ def test_trees_through_llama_cpp_give_its_own_greedy_decoding(gguf, prompts, pla
     assert assert_plain_or_tie(outputs, plain_greedy) >= 1  # measured: 2 of 4 at batch 1
     assert engine.store.used_blocks == 0 and sorted(engine.store.free_seqs) == list(range(256))
     model.close()
+
+
+class _Sequences:
+    """The part of GgmlModel a GgmlStore edits: sequence ids and their removal."""
+
+    n_seq_max = 8
+
+    def __init__(self) -> None:
+        self.removed: list[int] = []
+
+    def seq_remove(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+        self.removed.append(seq)
+
+
+def test_requests_beyond_their_sequences_wait_instead_of_failing():
+    """Requests hold at most half of llama.cpp's sequence ids (the other half is the trees'
+    leaves): one more is deferred (reserve False, so the engine waits or evicts), and gets a
+    sequence once another request frees its own."""
+    from specmesh_services.verifier.ggml_engine import GgmlStore
+
+    store = GgmlStore(_Sequences(), capacity=1000)
+    assert all(store.reserve(f"r{i}", 10) for i in range(4))
+    assert not store.reserve("r4", 10) and "r4" not in store.seq
+    store.free("r0")
+    assert store.reserve("r4", 10) and len(store.seq) == 4
+    assert len(store.free_seqs) == 4  # the trees' half, untouched

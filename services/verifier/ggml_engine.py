@@ -56,6 +56,7 @@ class GgmlStore:
         self.lengths: dict[str, int] = {}
         self.reserved: dict[str, int] = {}
         self.free_seqs = list(range(model.n_seq_max - 1, -1, -1))  # pop() = lowest
+        self.max_requests = max(1, model.n_seq_max // 2)
         self.trees: dict[str, tuple[TreeRows, int]] = {}  # the last step's tree rows, their base
 
     @property
@@ -74,8 +75,13 @@ class GgmlStore:
         return self.seq[request_id]
 
     def reserve(self, request_id: str, positions: int) -> bool:
+        """False (the engine defers or evicts) when the cells or the requests' sequences are
+        taken: requests hold at most half of llama.cpp's sequence ids, the trees' leaves the
+        other half."""
         others = self.used_blocks - self.reserved.get(request_id, 0)
         if others + positions > self.capacity:
+            return False
+        if request_id not in self.seq and len(self.seq) >= self.max_requests:
             return False
         self.sequence(request_id)
         self.reserved[request_id] = max(positions, self.reserved.get(request_id, 0))
