@@ -1,8 +1,9 @@
 """llama.cpp for bench/peers.py: built once from the llama.cpp source vendored in
 llama-cpp-python's PyPI sdist, and driven through llama-server's HTTP API.
 
-  build()        pip download the sdist, cmake the tools (-DGGML_NATIVE=ON, no curl, no web UI)
-                 into <cache>/llama.cpp-<version>/; a stamp file makes later runs skip it
+  build()        pip download the sdist, apply deploy/patch-llama-cpp.sh (the AMX fix the served
+                 backend gets too), cmake the tools (-DGGML_NATIVE=ON, no curl, no web UI) into
+                 <cache>/llama.cpp-<version>/; a stamp file makes later runs skip it
   LlamaServer    llama-server on a free port; `run(prompts, c)` sends token-id prompts to
                  /completion with c in flight and returns the tokens and wall times
 """
@@ -26,7 +27,8 @@ TARGETS = ("llama-server", "llama-bench", "llama-batched-bench", "llama-speculat
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON",
                "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_UI=OFF",
                "-DLLAMA_USE_PREBUILT_UI=OFF")  # the UI would be fetched from the hub
-STAMP = "specmesh-built.json"
+STAMP = "specmesh-built-2.json"  # -2: sources patched as the served backend's are
+PATCH = Path(__file__).resolve().parents[1] / "deploy" / "patch-llama-cpp.sh"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -63,6 +65,7 @@ def build(cache: Path, rebuild: bool = False, log=print) -> Path:
         shutil.move(Path(tmp) / sdist.name.removesuffix(".tar.gz") / "vendor" / "llama.cpp",
                     root / "src")
     (root / "src" / ".git").unlink(missing_ok=True)  # a submodule's pointer into the sdist's repo
+    _logged(["bash", PATCH, root / "src"], root / "build.log")
     start = time.perf_counter()
     build_dir, build_log = root / "build", root / "build.log"
     _logged(["cmake", "-S", root / "src", "-B", build_dir, *CMAKE_FLAGS], build_log)

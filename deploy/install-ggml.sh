@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs llama-cpp-python (llama.cpp's kernels: --target-runner ggml) into the environment of
 # the Python given as $1, at the version pinned by pyproject.toml's `ggml` extra, compiled for
-# this CPU (-march=native). The wheel is cached per CPU kind (its SIMD flags) under
+# this CPU (-march=native) from its source with deploy/patch-llama-cpp.sh applied (the AMX fix);
+# the wheel's local version label (+specmesh.N) tells the server the fix is in. The wheel is
+# cached per CPU kind (its SIMD flags) under
 # $SPECMESH_WHEELS (default ~/.cache/specmesh/wheels), so a second setup installs in seconds and a
 # host of another kind builds its own. A missing compiler or a failed build prints what to
 # install and exits 0: the torch target keeps working without it.
@@ -13,7 +15,8 @@ FLAGS=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | tr ' ' '\n' |
         grep -E '^(sse4_2|avx|avx2|fma|f16c|avx_vnni|avx512[a-z0-9_]*|amx_[a-z0-9]*)$' | sort | tr '\n' ' ')
 KIND=$(printf '%s %s' "$(uname -m)" "$FLAGS" | md5sum | cut -c1-12)
 CACHE=${SPECMESH_WHEELS:-$HOME/.cache/specmesh/wheels}/$KIND
-VERSION=${PIN#*==}
+LOCAL=specmesh.1  # bump when patch-llama-cpp.sh changes: every host rebuilds once
+VERSION=${PIN#*==}+$LOCAL
 
 if "$PYTHON" -c "import importlib.metadata as m, sys; sys.exit(m.version('llama-cpp-python') != '$VERSION')" 2>/dev/null; then
     exit 0  # installed at the pinned version
@@ -27,11 +30,16 @@ if [ -z "$wheel" ]; then
         echo "specmesh: the torch target works without them; rerun make setup once they are there." >&2
         exit 0
     fi
-    echo "specmesh: building $PIN for this CPU (once per CPU kind, ~5 min on 2 cores; cached in $CACHE)"
+    echo "specmesh: building $PIN for this CPU (once per CPU kind, 5-10 min on 2 cores; cached in $CACHE)"
     mkdir -p "$CACHE"
     tmp=$(mktemp -d "$CACHE/.build-XXXXXX")
-    if ! CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
-            "$PYTHON" -m pip wheel -q --no-deps --no-binary llama-cpp-python -w "$tmp" "$PIN" >"$tmp/build.log" 2>&1; then
+    if ! { "$PYTHON" -m pip download -q --no-deps --no-binary :all: -d "$tmp" "$PIN" &&
+           tar xzf "$tmp"/llama_cpp_python-*.tar.gz -C "$tmp" &&
+           src=$(ls -d "$tmp"/llama_cpp_python-*/) &&
+           bash "$ROOT/deploy/patch-llama-cpp.sh" "$src/vendor/llama.cpp" &&
+           sed -i "s/^__version__ = \"${PIN#*==}\"\$/__version__ = \"$VERSION\"/" "$src/llama_cpp/__init__.py" &&
+           CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
+               "$PYTHON" -m pip wheel -q --no-deps -w "$tmp" "$src"; } >"$tmp/build.log" 2>&1; then
         echo "specmesh: building $PIN failed (last lines of $tmp/build.log below); the torch target works without it." >&2
         tail -5 "$tmp/build.log" >&2
         exit 0

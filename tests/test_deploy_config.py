@@ -835,3 +835,47 @@ def test_make_setup_pins_torch_for_the_cpu_and_for_cuda(tmp_path, compose):
     index = dockerfile_args(dockerfile_instructions(), {"TORCH": cuda})["TORCH_INDEX_URL"]
     assert make_torch_install(tmp_path / "venv", f"TORCH={cuda}") == \
         ["--index-url", index, f"{torch_pin()}+{cuda}"]
+
+
+MMQ_TILE_CONFIG = """inline void ggml_tile_config_init(void) {
+    static thread_local bool done = false;
+
+    if (done) {
+        return;
+    }
+
+    alignas(64) tile_config_t tc = {};
+    tc.rows[0] = 8;   tc.colsb[0] = 64;
+    _tile_loadconfig(&tc);
+    done = true;
+}
+
+void other(void) {
+    if (done) {
+        return;
+    }
+    done = true;
+}
+"""
+
+
+def test_the_llama_cpp_patch_keeps_the_tile_config_stores(tmp_path):
+    """deploy/patch-llama-cpp.sh puts a compiler barrier on the tile config right before
+    ldtilecfg (GCC 12 drops its stores otherwise) and loads it on every call (another library
+    on the same threads may release the tiles), once however often it runs, touching nothing
+    outside that function; a tree without that code is left as it is."""
+    mmq = tmp_path / "ggml" / "src" / "ggml-cpu" / "amx" / "mmq.cpp"
+    mmq.parent.mkdir(parents=True)
+    mmq.write_text(MMQ_TILE_CONFIG)
+    for _ in range(2):
+        subprocess.run(["bash", ROOT / "deploy" / "patch-llama-cpp.sh", tmp_path], check=True)
+    text = mmq.read_text()
+    function, rest = text.split("void other(void)")
+    lines = function.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("    _tile_loadconfig(&tc);"))
+    assert lines[at - 1].startswith('    __asm__ __volatile__("" : : "r"(&tc) : "memory");')
+    assert "done" not in function and text.count("__asm__") == 1
+    assert rest == MMQ_TILE_CONFIG.split("void other(void)")[1]
+    mmq.write_text("// a later llama.cpp\n")
+    subprocess.run(["bash", ROOT / "deploy" / "patch-llama-cpp.sh", tmp_path], check=True)
+    assert mmq.read_text() == "// a later llama.cpp\n"

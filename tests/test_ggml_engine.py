@@ -3,11 +3,14 @@ and 4 at a time, trees of any shape that change every step (right guesses, wrong
 branches, chains, empty trees): every output is llama.cpp's
 own plain greedy decoding of the same file (one token a call), or leaves it only at a near-tie.
 
-ggml computes a row's logits differently in a one-row call and in a many-row one (measured on
-SmolLM2 Q4_1: up to ~0.15 apart on logits near 7-25); where the target's top two logits are
-that close the argmax can flip. So: identical up to the first divergence, and there the plain
-decoding's top-2 margin is below TIE and the engine's token is its runner-up. Skipped where
-llama-cpp-python is not installed."""
+ggml computes a row's logits differently in a one-row call and in a many-row one (other
+kernels: AMX tiles or per-row dot products, and attention over 256-cell blocks once the context
+passes 256 cells; measured on SmolLM2 Q4_1 on the top-5 logits of 8 windows of 24 rows, on an
+AMX Xeon: up to 0.6 apart with the plain kernels and 1.0 with the AMX ones, on logits near
+7-25, 0 below 256 cells); where
+the target's top logits are that close the argmax can flip. So: identical up to the first
+divergence, and there the engine's token is one the plain decoding ranks within TIE of its top.
+Skipped where llama-cpp-python is not installed."""
 from __future__ import annotations
 
 import numpy as np
@@ -22,7 +25,8 @@ from test_batch_verify import draft_tree, state  # tests/ is on the path
 
 TOKENS = 24
 PROMPTS = 4
-TIE = 0.25  # logit margin within which one-row and many-row calls may rank two tokens apart
+TIE = 0.5  # logit margin within which one-row and many-row calls may rank two tokens apart
+NEAR = 8  # tokens of each plain step kept as possible near-ties
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +43,8 @@ def prompts(chat_prompt_ids):
 
 def plain_decoding(gguf, prompts: dict, tokens: int = TOKENS) -> dict:
     """llama.cpp decoding each prompt alone, one token a call, argmax (the reference): per
-    request its tokens and, per token, (margin to the runner-up, the runner-up)."""
+    request its tokens and, per token, {token: its logit's distance to the top} for the NEAR
+    likeliest tokens."""
     model = GgmlModel(gguf, n_ctx=1024, n_batch=512, n_seq_max=1, threads=2)
     out = {}
     for rid, prompt in prompts.items():
@@ -48,9 +53,9 @@ def plain_decoding(gguf, prompts: dict, tokens: int = TOKENS) -> dict:
                               [False] * (len(prompt) - 1) + [True])[0]
         generated, ties = [], []
         while len(generated) < tokens:
-            first, second = np.argsort(logits)[::-1][:2]
-            generated.append(int(first))
-            ties.append((float(logits[first] - logits[second]), int(second)))
+            ranked = np.argsort(logits)[::-1][:NEAR]
+            generated.append(int(ranked[0]))
+            ties.append({int(t): float(logits[ranked[0]] - logits[t]) for t in ranked[1:]})
             logits = model.decode([generated[-1]], [len(prompt) + len(generated) - 1], [[0]],
                                   [True])[0]
         out[rid] = (generated, ties)
@@ -64,8 +69,8 @@ def plain_greedy(gguf, prompts):
 
 
 def assert_plain_or_tie(outputs: dict, plain: dict) -> int:
-    """Every output is the plain decoding, or leaves it first at a near-tie for the runner-up;
-    returns how many are identical."""
+    """Every output is the plain decoding, or leaves it first for a token the plain decoding
+    ranks within TIE of its top; returns how many are identical."""
     same = 0
     for rid, got in outputs.items():
         want, ties = plain[rid]
@@ -73,9 +78,9 @@ def assert_plain_or_tie(outputs: dict, plain: dict) -> int:
         if i is None:
             same += 1
             continue
-        margin, runner_up = ties[i]
-        assert margin < TIE and got[i] == runner_up, \
-            f"{rid}: token {i} is {got[i]}, plain decoding {want[i]} by a margin of {margin:.3f}"
+        gap = ties[i].get(got[i], float("inf"))
+        assert gap < TIE, f"{rid}: token {i} is {got[i]}, plain decoding {want[i]}, {gap:.3f} " \
+                          f"below it (near: {ties[i]})"
     return same
 
 

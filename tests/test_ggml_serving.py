@@ -88,7 +88,9 @@ def test_a_gguf_file_is_a_model_served_by_llama_cpp(questions, compute, referenc
         **{"speculation.depth": 0})
     assert served_runner(settings) == "ggml"
     assert served_runner(settings.with_overrides(dtype="float32")) == "auto"
-    assert served_runner(Settings(cache_dir=tmp_path)) == "auto"  # the registry's choice
+    # the registry's choice for the default model: llama.cpp where its AMX kernels run
+    default = served_runner(Settings(cache_dir=tmp_path))
+    assert default == ("ggml" if ggml_model.amx_kernels() else "auto")
     assert models.gguf_file(str(gguf), tmp_path) == gguf.resolve()
     response = serve(settings, questions[:1], compute)[0]
     assert list(response.token_ids) == reference[0][0][:len(response.token_ids)]
@@ -109,3 +111,26 @@ def test_what_llama_cpp_cannot_serve_is_refused(base_settings, monkeypatch):
     monkeypatch.setattr(ggml_model, "available", lambda: "llama-cpp-python is not installed")
     with pytest.raises(SettingsError, match="target_runner=ggml: llama-cpp-python is not"):
         check(ggml)
+
+
+def test_amx_kernels_only_from_the_patched_build(monkeypatch, caplog):
+    """An unpatched llama.cpp built by GCC 12 raises SIGILL in its AMX product: on an AMX CPU
+    only a build of deploy/install-ggml.sh (+specmesh) repacks the weights; elsewhere any may."""
+    monkeypatch.setattr(ggml_model, "_has_amx", lambda: True)
+    assert ggml_model.extra_buffers_safe("0.3.36+specmesh.1")
+    assert not ggml_model.extra_buffers_safe("0.3.36")
+    assert "make setup" in caplog.text
+    monkeypatch.setattr(ggml_model, "_has_amx", lambda: False)
+    assert ggml_model.extra_buffers_safe("0.3.36")
+
+
+def test_auto_serves_the_default_model_on_llama_cpp_where_its_amx_kernels_run(monkeypatch,
+                                                                              tmp_path):
+    """SmolLM2's registry entry measured llama.cpp faster with its AMX kernels (ggml-amx):
+    auto picks it there and keeps the torch target elsewhere; the Qwen targets keep it."""
+    monkeypatch.setattr(ggml_model, "available", lambda: None)
+    settings = Settings(cache_dir=tmp_path)
+    for amx, runner in ((True, "ggml"), (False, "auto")):
+        monkeypatch.setattr(ggml_model, "amx_kernels", lambda amx=amx: amx)
+        assert served_runner(settings) == runner
+        assert served_runner(settings.with_overrides(model="qwen2.5-coder-1.5b")) == "auto"

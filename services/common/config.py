@@ -49,6 +49,11 @@ class SpeculationSettings(Section):
     # (docs/decisions/serving-defaults.md)
     depth: int = Field(8, ge=0, le=64, description="draft tokens per path (0 = plain decoding)")
     width: int = Field(1, ge=1, le=64, description="nodes kept per depth level (1 = chain)")
+    # one pool round trip costs about a small model's forward (docs/decisions/plain-runs.md)
+    plain_tokens: int = Field(4, ge=1, le=64, description="a plain step (an empty tree: depth 0, "
+                              "or speculation not paying for the request) decodes up to this "
+                              "many tokens one after another in the verifier, answering once "
+                              "(1 = one token a round trip)")
     min_probability: float = Field(
         0.6, ge=0, lt=1, description="draft models stop below the first level whose likeliest "
                                      "node they give less than this probability (HF assisted "

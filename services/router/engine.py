@@ -14,7 +14,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import replace
 
 from specmesh_services.common import rpc, tasks, telemetry
@@ -340,9 +340,11 @@ class Router:
 
     async def verify(self, request_id: str, step: int, base_len: int,
                      tree: common_pb2.TokenTree, attributes: dict | None = None,
-                     heads_nodes: int = 0) -> pool_pb2.VerifyResult:
+                     heads_nodes: int = 0, plain_tokens: int = 1,
+                     stop_token_ids: Iterable[int] = ()) -> pool_pb2.VerifyResult:
         """Submits one tree to the pool and waits for its result (with the heads' tree for
-        the next step when `heads_nodes`). A stale entry (another router resuming the request
+        the next step when `heads_nodes`; up to `plain_tokens` tokens for an empty tree, ending
+        after one of `stop_token_ids`). A stale entry (another router resuming the request
         applied the step first) comes back as `caught_up`'s result: the tokens the pool gained."""
         deadline = time.monotonic() + self.settings.step_timeout_s
         while True:
@@ -357,7 +359,10 @@ class Router:
                                                 base_len=base_len, tree=tree,
                                                 reply_to=self.router_id,
                                                 trace_context=telemetry.inject(),
-                                                heads_nodes=heads_nodes)
+                                                heads_nodes=heads_nodes,
+                                                plain_tokens=plain_tokens)
+                    if plain_tokens > 1:
+                        entry.stop_token_ids.extend(sorted(stop_token_ids))
                     entry_id = await self._submit(entry)
                 result = await self._result(future, entry, entry_id)
             finally:

@@ -193,7 +193,7 @@ class RequestLoop:
             drafted = await self.draft(plan)
             result = await self.submit(plan, drafted)
             # stale: another router applied the step; its tokens were verified, this tree not
-            emitted = ([*result.accepted, result.bonus] if result.stale
+            emitted = ([*result.accepted, result.bonus, *result.continued] if result.stale
                        else self.observe(plan, drafted, result))
             chunk = self.emit(emitted)
             yield chunk
@@ -272,14 +272,16 @@ class RequestLoop:
                 {"specmesh.arm": plan.arm_name, "specmesh.budget": choice.budget,
                  "specmesh.probe": choice.probe, "specmesh.expected_length": choice.expected_length,
                  "specmesh.drafters": drafted.drafters},
-                heads_nodes=heads_nodes)
+                heads_nodes=heads_nodes, plain_tokens=self._plain_tokens(drafted, heads_nodes),
+                stop_token_ids=self.stops)
             span.set_attribute("specmesh.accepted", len(result.accepted))
             return result
 
     def observe(self, plan: Plan, drafted: Drafted, result: pool_pb2.VerifyResult) -> list[int]:
         """What came of the step, learnt by the sizing, the selection and the vote and recorded
-        in the request's stats; returns the emitted tokens (accepted + bonus)."""
-        emitted = [*result.accepted, result.bonus]
+        in the request's stats; returns the emitted tokens (accepted + bonus, then the tokens a
+        plain step decoded on)."""
+        emitted = [*result.accepted, result.bonus, *result.continued]
         seconds = time.perf_counter() - plan.started
         choice, arm, tree = plan.choice, plan.arm_name, drafted.tree
         verified = (VerifyStep(result.verify_seconds, result.batch_rows, result.batch_trees,
@@ -367,6 +369,15 @@ class RequestLoop:
         drafter prefill it would still wait for there."""
         return replace(self.services.batch.share(self.request_id),
                        switch_seconds=self.drafting.switch_seconds(arm))
+
+    def _plain_tokens(self, drafted: Drafted, heads_nodes: int) -> int:
+        """How many tokens a plain step may decode before the verifier answers: the setting,
+        within the request's token limit; one where there is a tree, or where the heads draft
+        below this step's bonus."""
+        if len(drafted.tree) or heads_nodes:
+            return 1
+        return max(1, min(self.services.speculation.plain_tokens,
+                          self.max_new - len(self.generated)))
 
     def _heads_nodes(self, choice: StepChoice) -> int:
         """The node limit of the tree the verifier's heads draft with this step's result, for

@@ -376,7 +376,31 @@ class VerifierEngine:
                 result.batch_capacity = self.limits.max_batch_trees
                 out.append((result, [*w.tokens, w.bonus]))
         self._draft_heads(entries, out)
+        self._plain_runs(entries, out)
         return out
+
+    def _plain_runs(self, entries: list[pool_pb2.DraftEntry], out: list) -> None:
+        """Entries of empty trees with `plain_tokens` > 1 decode on, one forward for all of
+        them a round (their tokens in `continued`), until each has its tokens or ends (a stop
+        token; a deferred or failed round keeps what it has): several plain tokens for one pool
+        round trip. Only in a step without trees, whose requests would wait for the runs."""
+        if any(len(entry.tree.tokens) for entry in entries):
+            return
+        runs = {entry.request_id: (i, entry.plain_tokens - 1)
+                for i, (entry, done) in enumerate(zip(entries, out))
+                if done is not None and not done[0].error and entry.plain_tokens > 1
+                and not entry.heads_nodes and done[0].bonus not in entry.stop_token_ids}
+        while runs:
+            ids = list(runs)
+            for request_id, stepped in zip(ids, self.step([(r, TokenTree()) for r in ids])):
+                i, left = runs.pop(request_id)
+                if stepped.outcome is None:
+                    continue
+                token = stepped.outcome.walk.bonus
+                out[i][0].continued.append(token)
+                out[i][1].append(token)
+                if left > 1 and token not in entries[i].stop_token_ids:
+                    runs[request_id] = (i, left - 1)
 
     def _draft_heads(self, entries: list[pool_pb2.DraftEntry], out: list) -> None:
         """Fills the heads' trees of the entries that asked for one, in one batch: each below

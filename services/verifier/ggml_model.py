@@ -8,6 +8,7 @@ several sequences, as a tree's shared prefix does).
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,6 +16,8 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["GgmlModel", "available"]
+
+log = logging.getLogger(__name__)
 
 
 def available() -> str | None:
@@ -39,10 +42,8 @@ class GgmlModel:
         lc.llama_backend_init()
         lc.llama_log_set(_quiet(lc), ctypes.c_void_p(0))
         params = lc.llama_model_default_params()
-        # ggml's AMX path (weights repacked into an extra buffer) crashes in its matrix product
-        # on a Sapphire Rapids host (Q4_1, llama.cpp of 0.3.36): AMX CPUs keep the plain kernels
-        # (docs/decisions/ggml-target.md)
-        params.use_extra_bufts = not _has_amx()
+        # llama.cpp's repacked weights (AMX tiles on AMX CPUs) make a tree's extra rows cheap
+        params.use_extra_bufts = extra_buffers_safe(lc.__version__)
         self.model = lc.llama_model_load_from_file(str(path).encode(), params)
         if not self.model:
             raise ValueError(f"llama.cpp cannot load {path}")
@@ -118,6 +119,31 @@ class GgmlModel:
     def seq_max(self, seq: int) -> int:
         """The largest position held for `seq` (-1: none)."""
         return self._lc.llama_memory_seq_pos_max(self.memory, seq)
+
+
+def extra_buffers_safe(version: str) -> bool:
+    """Whether llama.cpp may repack the weights into its extra buffers here. On an AMX CPU that
+    means its AMX product, which raises SIGILL when GCC 12 compiled it unpatched: only builds of
+    deploy/install-ggml.sh (version label +specmesh) get it there; others keep the plain kernels
+    (docs/decisions/ggml-target.md)."""
+    if "+specmesh" in version or not _has_amx():
+        return True
+    log.warning("llama-cpp-python %s was not built by deploy/install-ggml.sh: llama.cpp's AMX "
+                "kernels stay off on this AMX CPU (an unpatched build crashes in them); "
+                "`make setup` builds the patched one", version)
+    return False
+
+
+def amx_kernels() -> bool:
+    """Whether llama.cpp's AMX kernels run here: an AMX CPU and a build of
+    deploy/install-ggml.sh (`extra_buffers_safe`)."""
+    import importlib.metadata
+
+    try:
+        version = importlib.metadata.version("llama-cpp-python")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return "+specmesh" in version and _has_amx()
 
 
 def _has_amx() -> bool:

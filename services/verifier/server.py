@@ -54,20 +54,22 @@ def served_runner(settings: Settings) -> str:
     """`target_runner`, auto resolved to ggml (llama.cpp's kernels on the model's GGUF file)
     where the dtype is left to auto, the device is the CPU, llama-cpp-python imports, nothing
     needs the torch target (exact, early pruning, draft heads) and the model is a GGUF file or
-    a known model whose registry entry measured ggml faster (`auto_runner`;
-    docs/decisions/ggml-target.md); else as given (auto: the lean decoder loop where the
-    architecture allows)."""
-    from specmesh_services.verifier.ggml_model import available
+    a known model whose registry entry measured ggml faster here (`auto_runner`: everywhere, or
+    where llama.cpp's AMX kernels run; docs/decisions/ggml-target.md); else as given (auto: the
+    lean decoder loop where the architecture allows)."""
+    from specmesh_services.verifier.ggml_model import amx_kernels, available
 
     runner = settings.target_runner
     if runner != "auto" or settings.dtype != "auto" or settings.verifier.exact \
             or settings.verifier.prune != "off" or serves_heads(settings):
         return runner
     source = models.REGISTRY.get(settings.model)
-    if source.auto_runner != "ggml" if source is not None \
-            else not models.is_gguf(Path(settings.model).expanduser()):
-        return runner
-    if resolve_device(settings.device).type != "cpu" or available() is not None:
+    if source is None:
+        wanted = models.is_gguf(Path(settings.model).expanduser())
+    else:
+        wanted = source.auto_runner == "ggml" or (source.auto_runner == "ggml-amx"
+                                                  and amx_kernels())
+    if not wanted or resolve_device(settings.device).type != "cpu" or available() is not None:
         return runner
     return "ggml"
 

@@ -192,7 +192,9 @@ class RequestSizing:
         step_seconds = max(seconds - switch_seconds, 0.0)
         if step > 0:
             if verify is None or not verify.prefilled:
-                shared.time_model(bucket_of(in_flight)).observe(len(tree), step_seconds)
+                # a plain run decodes its tokens one forward each: its steps are those
+                plain = step_seconds / len(emitted) if not len(tree) and emitted else step_seconds
+                shared.time_model(bucket_of(in_flight)).observe(len(tree), plain)
                 if verify is not None and shared.verify_times is not None:
                     shared.verify_times.observe_pass(verify)
             timed = choice.budget > 0 and draft_seconds > 0
