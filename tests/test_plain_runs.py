@@ -2,7 +2,8 @@
 verifier, one forward each, and answers once. On the real SmolLM2 target (float32): the engine's
 runs are the target's own greedy decoding, end after a stop token, give way to trees (a step
 with a tree runs nothing more) and to the heads; through an embedded mesh at depth 0 the outputs
-equal the target's greedy decoding with fewer steps than tokens, the last run cut at max_tokens."""
+equal the target's greedy decoding with fewer steps than tokens, the first step one token, the
+last run cut at max_tokens."""
 from __future__ import annotations
 
 import asyncio
@@ -67,4 +68,5 @@ def test_plain_mesh_equals_the_target_in_fewer_steps(base_settings, questions,
     for r in responses:
         emitted = [d.emitted for d in r.stats.decisions]
         assert sum(emitted) >= r.stats.completion_tokens == len(r.token_ids)
+        assert emitted[0] == 1  # the first step's token streams at once
         assert max(emitted) == 5 and len(emitted) < len(r.token_ids) / 3

@@ -272,7 +272,8 @@ class RequestLoop:
                 {"specmesh.arm": plan.arm_name, "specmesh.budget": choice.budget,
                  "specmesh.probe": choice.probe, "specmesh.expected_length": choice.expected_length,
                  "specmesh.drafters": drafted.drafters},
-                heads_nodes=heads_nodes, plain_tokens=self._plain_tokens(drafted, heads_nodes),
+                heads_nodes=heads_nodes,
+                plain_tokens=self._plain_tokens(plan.step, drafted, heads_nodes),
                 stop_token_ids=self.stops)
             span.set_attribute("specmesh.accepted", len(result.accepted))
             return result
@@ -370,11 +371,11 @@ class RequestLoop:
         return replace(self.services.batch.share(self.request_id),
                        switch_seconds=self.drafting.switch_seconds(arm))
 
-    def _plain_tokens(self, drafted: Drafted, heads_nodes: int) -> int:
+    def _plain_tokens(self, step: int, drafted: Drafted, heads_nodes: int) -> int:
         """How many tokens a plain step may decode before the verifier answers: the setting,
-        within the request's token limit; one where there is a tree, or where the heads draft
-        below this step's bonus."""
-        if len(drafted.tree) or heads_nodes:
+        within the request's token limit; one for the first step (its token streams at once),
+        where there is a tree, or where the heads draft below this step's bonus."""
+        if step == 0 or len(drafted.tree) or heads_nodes:
             return 1
         return max(1, min(self.services.speculation.plain_tokens,
                           self.max_new - len(self.generated)))
