@@ -1,8 +1,8 @@
 """A GPU measured and checked: the kernel and CUDA tests; SmolLM2-135M's real weights through
 transformers' `generate` (eager, static cache compiled, batch 8) beside specmesh (embedded with
 speculation off and on, batch 1 and 8; `specmesh up`); the verify step's cost for the
-Qwen2.5-1.5B shape (random weights); a minimal decoder eager vs replayed from a CUDA graph, what
-a captured step could cost (docs/benchmarks/scripts.md).
+Qwen2.5-1.5B shape (random weights) replayed from CUDA graphs and eager; a minimal decoder eager
+vs replayed from a CUDA graph, the floor of a captured step (docs/benchmarks/scripts.md).
 
     python -m bench.gpu --tests --out DIR       # bench/device.sh runs it where no registry is
     python -m bench.gpu --device cpu --quick    # the dry run on a CPU, about a minute
@@ -283,11 +283,13 @@ def random_target(shape: str, device: torch.device, dtype: torch.dtype):
 
 
 def step_costs(lm, contexts: list[int], batches: list[int], rows: list[int], reps: int,
-               warmup: int = 2) -> list[dict]:
+               warmup: int = 2, graph_rows: int | None = None) -> list[dict]:
     """ms per `VerifierEngine.step` (wall, walk and host copy included) for b requests of a
     context of L tokens, each with a chain of R-1 draft nodes (R rows); every request re-loaded
     at its prompt before each step, so a step computes exactly R rows each (bench.verify_cost's
-    method). Contexts longest first: each shorter one is a truncation of the KV there."""
+    method). Contexts longest first: each shorter one is a truncation of the KV there. CUDA
+    graphs as served (captured first; `graph_rows` 0: eager); each cell says the bucket its
+    steps replayed (0: eager)."""
     from bench.verify_cost import make_tree
     from specmesh_kernels.backend import select_attention_backend
     from specmesh_services.common.tree import TokenTree
@@ -296,8 +298,12 @@ def step_costs(lm, contexts: list[int], batches: list[int], rows: list[int], rep
 
     most = max(batches)
     limits = EngineLimits(kv_budget_tokens=most * (max(contexts) + max(rows) + 32),
-                          max_batch_tokens=max(1024, most * max(rows)), max_batch_trees=most)
+                          max_batch_tokens=max(1024, most * max(rows)), max_batch_trees=most,
+                          **({} if graph_rows is None else {"graph_rows": graph_rows}))
     engine = VerifierEngine(lm, "bench-gpu", limits, select_attention_backend(lm.device))
+    captured = engine.capture_graphs()
+    if captured:
+        say(f"step cost: {engine.target.graphs.captured} graphs captured in {captured:.1f} s")
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, lm.vocab_size, (most, max(contexts)), generator=gen).tolist()
     ids = [f"step-{j}" for j in range(most)]
@@ -314,7 +320,7 @@ def step_costs(lm, contexts: list[int], batches: list[int], rows: list[int], rep
     for length in sorted(contexts, reverse=True):
         for b in batches:
             for r in rows:
-                wall, forward = [], []
+                wall, forward, bucket = [], [], 0
                 for rep in range(warmup + reps):
                     for j in range(b):
                         load(j, length)
@@ -330,17 +336,18 @@ def step_costs(lm, contexts: list[int], batches: list[int], rows: list[int], rep
                     if rep >= warmup:
                         wall.append(elapsed)
                         forward.append(engine.last_step.forward_seconds)
+                        bucket = engine.last_step.bucket
                 cells.append({"context": length, "batch": b, "rows": r,
                               "ms": 1e3 * statistics.median(wall),
-                              "forward_ms": 1e3 * statistics.median(forward)})
+                              "forward_ms": 1e3 * statistics.median(forward), "bucket": bucket})
         say(f"step cost: context {length} done")
     return cells
 
 
 class AnchorDecoder(torch.nn.Module):
     """A minimal Llama / Qwen2 decoder (static KV cache, SDPA with an explicit mask): R new rows
-    next to cached positions, the same buffers every call, so a CUDA graph can replay it. What
-    a graph-captured verify step could cost; the project's step does not capture graphs yet."""
+    next to cached positions, the same buffers every call, so a CUDA graph can replay it: the
+    floor a graph-captured verify step of this shape can reach on the card."""
 
     def __init__(self, shape: str, maxpos: int) -> None:
         super().__init__()
@@ -463,14 +470,17 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def _curve(first: str, rows: list, ms: list[float | None] | None = None) -> list[str]:
+def _curve(first: str, rows: list, ms: list[float | None] | None = None,
+           starred: list[bool] | None = None) -> list[str]:
     """A table of ms by rows R, the last over the first at the end: its head (no `ms`) or a
-    row."""
+    row (`starred` cells marked *)."""
     if ms is None:
         return [f"| {first} | " + " | ".join(f"R={r}" for r in rows)
                 + f" | {rows[-1]}-row / 1-row |", "|---|" + "---:|" * (len(rows) + 1)]
     ratio = ms[-1] / ms[0] if ms[0] and ms[-1] else None
-    return [f"| {first} | " + " | ".join(map(_ms, ms)) + f" | {_ms(ratio)} |"]
+    stars = starred or [False] * len(ms)
+    return [f"| {first} | " + " | ".join(_ms(x) + ("*" if star else "")
+                                         for x, star in zip(ms, stars)) + f" | {_ms(ratio)} |"]
 
 
 def markdown(report: dict) -> str:
@@ -504,11 +514,19 @@ def markdown(report: dict) -> str:
     if step:
         rows = sorted({c["rows"] for c in step["cells"]})
         cells = {(c["batch"], c["context"], c["rows"]): c["ms"] for c in step["cells"]}
+        eager = {(c["batch"], c["context"], c["rows"]) for c in step["cells"]
+                 if not c.get("bucket")}
         lines += [f"Verify step, {step['shape']} shape (random {step['dtype']} weights), "
-                  f"VerifierEngine.step with a chain of R-1 nodes per request, ms per step:", "",
+                  f"VerifierEngine.step with a chain of R-1 nodes per request, ms per step "
+                  f"(replayed from CUDA graphs; * eager: a prefill chunk, more rows than the "
+                  f"largest bucket or a context past the split-KV threshold):", "",
                   *_curve("batch, context", rows)]
         for b, length in sorted({(k[0], k[1]) for k in cells}):
-            lines += _curve(f"b{b} L{length}", rows, [cells.get((b, length, r)) for r in rows])
+            lines += _curve(f"b{b} L{length}", rows, [cells.get((b, length, r)) for r in rows],
+                            [(b, length, r) in eager for r in rows])
+        for c in step.get("eager", [])[:1]:
+            same = {x["rows"]: x["ms"] for x in step["eager"]}
+            lines += _curve(f"b1 L{c['context']}, eager", rows, [same.get(r) for r in rows])
         lines.append("")
     anchor = report.get("anchor")
     if anchor:
@@ -655,6 +673,10 @@ class Bench:
                                 self.sizes["rows"], self.sizes["reps"])
         self.report["step"] = {"shape": self.sizes["shape"],
                                "dtype": self.report["step_dtype"], "cells": cells}
+        if self.device.type == "cuda":  # the same step eager, side by side: what graphs save
+            context = self.sizes["contexts"][min(1, len(self.sizes["contexts"]) - 1)]
+            self.report["step"]["eager"] = self.on_compute(
+                step_costs, lm, [context], [1], self.sizes["rows"], self.sizes["reps"], 2, 0)
 
     def anchor(self) -> None:
         say(f"decoder anchor, {self.sizes['shape']} shape")

@@ -199,20 +199,38 @@ def work_items(meta: TreeBatch, ranges: list[tuple[int, int, int, int]], rows_pe
     return torch.tensor(rows, dtype=torch.int32, device=device).view(-1, ITEM_COLS)
 
 
+def rows_per_item(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
+                  head_dim: int) -> int:
+    """Query rows of one work item: a tile holds rows x the GQA group's heads."""
+    block_m = block_sizes(device, dtype, head_dim)[0]
+    group = heads // kv_heads
+    assert group <= block_m, f"GQA group {group} larger than the tile ({block_m} rows)"
+    return block_m // group
+
+
 def launch_attention(q, k_cache, v_cache, meta: TreeBatch, ranges, key, scale_log2: float,
                      out: torch.Tensor, lse: torch.Tensor | None) -> None:
     """One launch of tree_attn_kernel over `ranges` (see work_items; cached in meta under key).
     out: [T, H, D] when lse is None (whole segments), else [T, C, H, D] float32 partials with
     lse: [T, C, H] float32."""
+    per_item = rows_per_item(q.device, q.dtype, q.shape[1], k_cache.shape[1], q.shape[2])
+    items = meta.cached(("items", key, per_item),
+                        lambda: work_items(meta, ranges, per_item, q.device))
+    if items.shape[0] == 0:
+        return
+    launch_items(q, k_cache, v_cache, items, meta.kv_slots, meta.tree_mask_u8(), scale_log2,
+                 out, lse)
+
+
+def launch_items(q, k_cache, v_cache, items: torch.Tensor, kv_slots: torch.Tensor,
+                 mask_u8: torch.Tensor, scale_log2: float, out: torch.Tensor,
+                 lse: torch.Tensor | None = None) -> None:
+    """tree_attn_kernel over a work-item table (one program per row and KV head). Everything
+    it reads lives in device tensors and the grid is the table's length, so a launch over
+    persistent buffers replays from a CUDA graph; an all-zero row is an empty item."""
     heads, kv_heads, head_dim = q.shape[1], k_cache.shape[1], q.shape[2]
     group = heads // kv_heads
     block_m, block_n, block_d = block_sizes(q.device, q.dtype, head_dim)
-    assert group <= block_m, f"GQA group {group} larger than the tile ({block_m} rows)"
-    rows_per_item = block_m // group
-    items = meta.cached(("items", key, rows_per_item),
-                        lambda: work_items(meta, ranges, rows_per_item, q.device))
-    if items.shape[0] == 0:
-        return
     if lse is None:  # [T, H, D]: no chunk dimension
         o_strides, l_strides = (out.stride(0), 0, out.stride(1)), (0, 0, 0)
     else:
@@ -221,8 +239,7 @@ def launch_attention(q, k_cache, v_cache, meta: TreeBatch, ranges, key, scale_lo
     precision = "ieee" if q.dtype == torch.float32 else None  # exact fp32 (no TF32)
     dot_f32 = q.device.type == "cpu" and q.dtype != torch.float32  # interpreter: bf16/fp16 dots
     tree_attn_kernel[(items.shape[0], kv_heads)](
-        q, k_cache, v_cache, out, out if lse is None else lse, meta.kv_slots,
-        meta.tree_mask_u8(), items, q.stride(0), q.stride(1), k_cache.stride(0),
-        k_cache.stride(1), *o_strides, *l_strides, scale_log2, HEAD_DIM=head_dim, GROUP=group,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, WRITE_LSE=lse is not None,
-        PRECISION=precision, DOT_F32=dot_f32)
+        q, k_cache, v_cache, out, out if lse is None else lse, kv_slots, mask_u8, items,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), *o_strides, *l_strides,
+        scale_log2, HEAD_DIM=head_dim, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=block_d, WRITE_LSE=lse is not None, PRECISION=precision, DOT_F32=dot_f32)

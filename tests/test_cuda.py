@@ -220,3 +220,62 @@ def test_lean_target_logits_on_cuda(arch, dtype):
             assert diff <= tol * scale, f"{what}, piece {i}: {diff:.2e} > {tol} * {scale:.2f}"
             if dtype == "fp32":
                 assert agree == 1.0, f"{what}, piece {i}: argmax differs"
+
+
+# ---------------------------------------------------------------------------------------------
+# the verify step replayed from CUDA graphs (services/verifier/graphs.py)
+def tiny_cuda_lean(dtype: torch.dtype):
+    """tests/test_step_graphs.py's tiny Qwen2 on CUDA."""
+    from test_step_graphs import tiny_qwen2_lean
+
+    return tiny_qwen2_lean("cuda", dtype)
+
+
+@pytest.mark.parametrize("capture", ["lazy", "at start"])
+def test_graph_replay_gives_the_greedy_stream_on_cuda(capture):
+    """fp32 (TF32 off): requests stepped with trees (side branches, the right path behind a
+    wrong sibling: compaction on the device) through replayed graphs of several buckets and eager
+    steps between them give the target's own greedy tokens (an eager engine's one-row steps)."""
+    from specmesh_services.verifier.engine import EngineLimits, VerifierEngine
+    from test_step_graphs import stream
+
+    assert not torch.backends.cuda.matmul.allow_tf32
+    lean = tiny_cuda_lean(torch.float32)
+    engine = VerifierEngine(lean, limits=EngineLimits(kv_budget_tokens=512, block_size=8,
+                                                      graph_rows=16))
+    graphs = engine.target.graphs
+    assert graphs is not None and graphs.capture, "CUDA + lean target: the step replays graphs"
+    if capture == "at start":
+        assert engine.capture_graphs() > 0 and graphs.captured == len(graphs.buckets)
+    outputs, references, seen = stream(engine, lean)
+    assert outputs == references
+    assert graphs.replays > 0 and 0 in seen and len(seen - {0}) >= 3, sorted(seen)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_graph_replay_equals_eager_on_cuda(dtype):
+    """One step of three requests (a one-row step, a tree, a chain with logits) replayed from
+    the 16-row graph: the eager packed forward's logits (bf16: within rounding)."""
+    from specmesh_services.verifier.engine import EngineLimits, VerifierEngine
+    from test_lean_target import chain, tree
+
+    torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
+    lean = tiny_cuda_lean(torch_dtype)
+    out = {}
+    for rows in (16, 0):
+        engine = VerifierEngine(lean, limits=EngineLimits(kv_budget_tokens=512, block_size=8,
+                                                          graph_rows=rows))
+        for rid, n in (("a", 30), ("b", 9), ("c", 50)):
+            assert engine.store.reserve(rid, n + 8)
+            prompt = torch.arange(n) * 7 % 512
+            engine.target.forward([chain(rid, prompt.tolist(), 0, False)])
+            engine.store.set_length(rid, n)
+        step = [chain("a", [7], 30, True), tree("b", [3, 17, 99, 250, 8], [-1, 0, 0, 1, 1], 9),
+                chain("c", [5, 6, 7, 8, 9, 10], 50, True)]
+        for _ in range(2):  # the second replays the graph the first captured
+            logits = [x.clone() for x in engine.target.forward(step)]
+        out[rows] = (logits, engine.target.last_bucket)
+    assert out[16][1] == 16 and out[0][1] == 0
+    tol = 1e-4 if dtype == "fp32" else 5e-2
+    for x, y in zip(out[16][0], out[0][0]):
+        assert (x - y).abs().max().item() <= tol * max(1.0, y.abs().max().item())

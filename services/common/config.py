@@ -179,6 +179,10 @@ class VerifierSettings(Section):
                         "backend; slower: docs/decisions/cpu-tree-attention.md). Off: in bf16 "
                         "and native int4 an output can differ from plain decoding at near-tied "
                         "logits")
+    cuda_graph_rows: int = Field(512, ge=0, description="on CUDA with the lean target: a verify "
+                                 "step of up to this many rows, none of them a prefill chunk, "
+                                 "is padded to a bucket of rows (powers of two) and replayed "
+                                 "from a CUDA graph captured at start-up; 0 = every step eager")
     prune: str = Field("off", description="early pruning of tree nodes (ProPD 4.1): after the "
                        "early head's layer, nodes whose token is not in their parent's Top-k "
                        "skip the remaining layers; off, on (the model's early head: `specmesh "

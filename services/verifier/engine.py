@@ -81,6 +81,7 @@ class StepStats:
     seconds: float  # planning + forward (what results report as verify_seconds)
     forward_seconds: float = 0.0  # of which the target's forward pass
     walk_seconds: float = 0.0  # after it: the walks and KV commits of all trees
+    bucket: int = 0  # rows the forward was padded to, replayed from a CUDA graph (0: eager)
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,7 @@ class EngineLimits:
     block_size: int = 16  # KV allocation unit (rows)
     max_batch_tokens: int = 1024  # new rows per forward pass (trees + prefill chunks)
     max_batch_trees: int = 64  # requests per forward pass
+    graph_rows: int = 512  # CUDA, lean target: steps of up to this many rows replay graphs (0: off)
 
 
 @dataclass
@@ -130,8 +132,20 @@ class VerifierEngine:
         store = KVStore(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim,
                         self.limits.kv_budget_tokens, self.limits.block_size, lm.dtype,
                         lm.device, compact=self.backend.compact)
-        return store, PackedTarget(lm if isinstance(lm, LeanDecoder) else lm.model, store,
-                                   self.backend)
+        target = PackedTarget(lm if isinstance(lm, LeanDecoder) else lm.model, store,
+                              self.backend)
+        if isinstance(lm, LeanDecoder) and lm.device.type == "cuda" and self.limits.graph_rows \
+                and self.backend.name in ("triton", "flash-attn"):
+            from specmesh_services.verifier.graphs import StepGraphs
+
+            target.graphs = StepGraphs(lm, store, self.limits.graph_rows)
+        return store, target
+
+    def capture_graphs(self) -> float:
+        """Captures the CUDA graphs of every row bucket now (else each on its first step);
+        seconds taken, 0 when the step does not run from graphs."""
+        graphs = getattr(self.target, "graphs", None)
+        return graphs.capture_all() if graphs is not None and graphs.capture else 0.0
 
     # request lifecycle ------------------------------------------------------------------------
     def ready_for(self, request_id: str, base_len: int) -> bool:
@@ -214,8 +228,12 @@ class VerifierEngine:
         if planned:
             forward_start = time.perf_counter()
             logits = self.target.forward([p.segment for p in planned.values()])
-            if self.lm.device.type == "cuda":  # the forward's own time, not its launch
-                torch.cuda.synchronize(self.lm.device)
+            # on a GPU the draws' copy to the host is the step's one sync: the forward's time
+            # ends with it
+            draws = _device_draws(list(planned.values()), logits) if self.row_parallel_walk \
+                else [None] * len(planned)
+            if self.lm.device.type == "cuda" and all(d is None for d in draws):
+                torch.cuda.synchronize(self.lm.device)  # prefill chunks only: nothing copied
             forward_end = time.perf_counter()
             seconds = forward_end - start
             trees = sum(1 for p in planned.values() if p.tree is not None)
@@ -223,8 +241,6 @@ class VerifierEngine:
             shape = (trees, nodes, sum(p.segment.num_rows for p in planned.values()))
             hidden = self.target.hidden or [None] * len(planned)
             kept = self.target.survivors
-            draws = _device_draws(list(planned.values()), logits) if self.row_parallel_walk \
-                else [None] * len(planned)
             for (i, plan), rows, states, alive, drawn in zip(planned.items(), logits, hidden,
                                                               kept, draws):
                 results[i] = self._commit(plan, rows, seconds, shape, states, alive, drawn)
@@ -337,7 +353,7 @@ class VerifierEngine:
         rows = sum(p.segment.num_rows for p in planned)
         context = sum(p.segment.start + p.segment.num_rows for p in planned)
         self.last_step = StepStats(rows, context, len(planned), trees, seconds, forward_seconds,
-                                   walk_seconds)
+                                   walk_seconds, getattr(self.target, "last_bucket", 0))
         self.cost.observe(rows, context, len(planned), seconds)
         self.steps += 1
 

@@ -38,7 +38,9 @@ class KVStore:
         self.block_size = block_size
         self.num_blocks = capacity_tokens // block_size
         self.num_slots = self.num_blocks * block_size
-        shape = (num_layers, self.num_slots, kv_heads, head_dim)
+        # one slot more than the budget: where a bucketed step's padding rows write (never read)
+        self.scratch_slot = self.num_slots
+        shape = (num_layers, self.num_slots + 1, kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, slots, KVH, D]
         self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, slots, KVH, D]
         self.free_blocks: list[int] = list(range(self.num_blocks - 1, -1, -1))  # pop() = lowest

@@ -128,7 +128,8 @@ def build_engine(target: CausalLM | LeanDecoder | GgmlLM, settings: Settings,
     """The verifier engine as `settings.verifier` configures it (KV budget, batch, backend)."""
     v = settings.verifier
     limits = EngineLimits(kv_budget_tokens=v.kv_budget_tokens, block_size=v.kv_block_size,
-                          max_batch_tokens=v.max_batch_tokens, max_batch_trees=v.batch_size)
+                          max_batch_tokens=v.max_batch_tokens, max_batch_trees=v.batch_size,
+                          graph_rows=v.cuda_graph_rows)
     if isinstance(target, GgmlLM):  # what it cannot serve was refused by check_device
         log.info("verifier %s on llama.cpp: %d KV cells, batch %d trees / %d rows", name,
                  v.kv_budget_tokens, v.batch_size, v.max_batch_tokens)
@@ -150,6 +151,11 @@ def build_engine(target: CausalLM | LeanDecoder | GgmlLM, settings: Settings,
         engine.target.pruner = load_pruner(settings)
         log.info("early pruning after layer %d, Top-%d (%s weights)", engine.target.pruner.layer,
                  v.prune_top_k, engine.target.pruner.weights)
+    seconds = engine.capture_graphs()  # after the pruner: a pruned step runs eagerly
+    if seconds:
+        graphs = engine.target.graphs
+        log.info("verify step: %d CUDA graphs captured (buckets up to %d rows) in %.1f s",
+                 graphs.captured, graphs.max_rows, seconds)
     log.info("verifier %s: KV budget %d rows (%.0f MiB), batch %d trees / %d rows, attention %s",
              name, engine.store.capacity,
              engine.store.capacity * engine.store.bytes_per_token() / 2**20, v.batch_size,
@@ -190,7 +196,8 @@ async def start(settings: Settings):
     executor = serving.compute_executor(settings, "verifier")
     lm = await asyncio.get_running_loop().run_in_executor(executor, load_target, settings)
     pool = pool_mod.connect(settings.redis_url, settings.pool_prefix)
-    engine = build_engine(lm, settings, settings.verifier.name or default_name())
+    engine = await asyncio.get_running_loop().run_in_executor(  # CUDA graphs captured there
+        executor, build_engine, lm, settings, settings.verifier.name or default_name())
     worker = VerifierWorker(engine, pool, executor, settings.verifier,
                             VerifierMetrics(metrics.process_registry(), settings.model))
     worker.start()

@@ -248,6 +248,7 @@ class VerifierWorker:
                 "specmesh.step_rows": stats.rows,
                 "specmesh.forward_seconds": stats.forward_seconds,
                 "specmesh.walk_seconds": stats.walk_seconds,
+                "specmesh.step_bucket": stats.bucket,
                 "specmesh.batch_wait_seconds": self._waited_s}
 
     def _span(self, taken: Taken, batch_size: int):

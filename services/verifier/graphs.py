@@ -1,0 +1,194 @@
+"""The verify step over static shapes: buckets of rows, replayed from CUDA graphs.
+
+A step whose rows all need logits (trees and plain steps, no prefill chain) is padded to the
+next bucket of rows. Its inputs (tokens, positions, the new rows' KV slots, the attention
+work-item table, every segment's KV slots and tree mask) go into persistent buffers with two
+host-to-device copies; the forward over the bucket (the lean decoder's layers, the Triton tree
+attention over the item table, final norm, LM head) is captured once per bucket as a CUDA graph
+and replayed: one launch instead of ~25 a layer. Padding rows write their K/V to the store's
+scratch slot and belong to no work item; their outputs are dropped. Batch size needs no buckets
+of its own: requests enter only through the item table, padded with empty items to one per row.
+Prefill chunks, early pruning and contexts past the split-KV threshold run eagerly (vLLM, too,
+runs prefill outside its graphs). Without CUDA the same padded forward runs eagerly (tests).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+
+from specmesh_kernels.backend import SPLIT_KV_MIN
+from specmesh_services.common.lean import LeanDecoder
+from specmesh_services.verifier.kv import KVStore
+
+log = logging.getLogger(__name__)
+
+LOG2E = 1.4426950408889634
+ITEM_COLS = 10  # kernels/triton_kernels.py's work-item row
+
+
+def buckets(max_rows: int) -> tuple[int, ...]:
+    """Row buckets: powers of two below `max_rows`, then `max_rows` (on a GPU a step's cost
+    barely moves with its rows, so coarse buckets waste little)."""
+    out = [1 << i for i in range(max(0, math.ceil(math.log2(max_rows))))]
+    return tuple(b for b in out if b < max_rows) + (max_rows,)
+
+
+class StepGraphs:
+    """Bucketed forwards of a lean target over its KV store (module docstring). `forward` takes
+    the segments `covers` accepts and returns each one's logits [n_s, V] float32 and final hidden
+    states [n_s, hidden], views valid until the next forward."""
+
+    def __init__(self, lean: LeanDecoder, store: KVStore, max_rows: int = 256,
+                 capture: bool | None = None) -> None:
+        from specmesh_kernels import triton_kernels as tk  # lazy: imports triton
+
+        self.lean, self.store, self.max_rows = lean, store, max_rows
+        self.device = store.k.device
+        self.capture = self.device.type == "cuda" if capture is None else capture
+        self.buckets = buckets(max_rows)
+        self._tk = tk
+        self._per_item = tk.rows_per_item(self.device, lean.dtype, lean.heads, lean.kv_heads,
+                                          lean.head_dim)
+        t = max_rows
+        # int64 layout: tokens [t], positions [t], new slots [t], items [t, 10], KV slots
+        self._kv_at = (3 + ITEM_COLS) * t
+        size = self._kv_at + store.num_slots
+        pin = self.device.type == "cuda"
+        self._host = torch.zeros(size, dtype=torch.long, pin_memory=pin)
+        self._dev = torch.zeros(size, dtype=torch.long, device=self.device)
+        self._host_mask = torch.zeros(t * t, dtype=torch.uint8, pin_memory=pin)
+        self._dev_mask = torch.zeros(t * t, dtype=torch.uint8, device=self.device)
+        self._rows = torch.arange(t, device=self.device)
+        self._copied = torch.cuda.Event() if pin else None  # the staging buffers are free again
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pool = None
+        self.capture_seconds = 0.0
+        self.replays = 0
+        self.last_bucket = 0  # rows the last forward was padded to
+
+    # what runs here ---------------------------------------------------------------------------
+    def bucket(self, rows: int) -> int:
+        return next(b for b in self.buckets if b >= rows)
+
+    def covers(self, segments) -> bool:
+        """Every row needs logits, the rows fit the largest bucket, and no segment's KV is
+        long enough for the eager path's split-KV attention."""
+        return (sum(s.num_rows for s in segments) <= self.max_rows
+                and all(s.logits_from == 0 and s.start + s.num_rows <= SPLIT_KV_MIN
+                        for s in segments))
+
+    @property
+    def captured(self) -> int:
+        return len(self._graphs)
+
+    # the step ---------------------------------------------------------------------------------
+    def forward(self, segments) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        rows = sum(s.num_rows for s in segments)
+        size = self.bucket(rows)
+        self._stage(segments, rows, size)
+        if self.capture:
+            graph = self._graphs.get(size) or self._capture(size)
+            graph.replay()
+            self.replays += 1
+            hidden, logits = self._outputs[size]
+        else:
+            hidden, logits = self._body(size)
+        self.last_bucket = size
+        sizes = [s.num_rows for s in segments]
+        return list(logits[:rows].split(sizes)), list(hidden[:rows].split(sizes))
+
+    def _stage(self, segments, rows: int, size: int) -> None:
+        """The step's inputs into the persistent buffers: two copies to the device."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copies have read the staging buffers
+        t, host, store = self.max_rows, self._host, self.store
+        kv_slots, new_slots, masks, items = [], [], [], []
+        q_at = kv_at = mask_at = 0
+        for s in segments:
+            n = s.num_rows
+            slots = store.slots(s.request_id, 0, s.start + n)
+            kv_slots.append(slots)
+            new_slots.append(slots[s.start:])
+            masks.append(s.mask.reshape(-1))
+            for lo in range(q_at, q_at + n, self._per_item):
+                items.append((lo, min(lo + self._per_item, q_at + n), q_at, n, kv_at, 0,
+                              s.start + n, s.start, mask_at, 0))
+            q_at, kv_at, mask_at = q_at + n, kv_at + s.start + n, mask_at + n * n
+        host[:rows] = torch.cat([s.tokens for s in segments])
+        host[rows:size] = 0
+        host[t:t + rows] = torch.cat([s.positions for s in segments])
+        host[t + rows:t + size] = 0
+        host[2 * t:2 * t + rows] = torch.cat(new_slots)
+        host[2 * t + rows:2 * t + size] = store.scratch_slot
+        table = host[3 * t:3 * t + ITEM_COLS * size].view(size, ITEM_COLS)
+        table[:len(items)] = torch.tensor(items, dtype=torch.long)
+        table[len(items):] = 0  # empty items
+        end = self._kv_at + kv_at
+        host[self._kv_at:end] = torch.cat(kv_slots)
+        self._host_mask[:mask_at] = torch.cat(masks)
+        cuda = self._copied is not None
+        self._dev[:end].copy_(host[:end], non_blocking=cuda)
+        self._dev_mask[:mask_at].copy_(self._host_mask[:mask_at], non_blocking=cuda)
+        if cuda:
+            self._copied.record()
+
+    def _body(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward over the first `size` rows of the persistent buffers."""
+        t, dev, lean, store, tk = self.max_rows, self._dev, self.lean, self.store, self._tk
+        new_slots = dev[2 * t:2 * t + size]
+        items = dev[3 * t:3 * t + ITEM_COLS * size].view(size, ITEM_COLS)
+        kv_slots, mask, scale = dev[self._kv_at:], self._dev_mask, lean.scale * LOG2E
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                   ) -> torch.Tensor:
+            k_layer, v_layer = store.k[layer], store.v[layer]
+            k_layer.index_copy_(0, new_slots, k.to(k_layer.dtype))
+            v_layer.index_copy_(0, new_slots, v.to(v_layer.dtype))
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            tk.launch_items(q, k_layer, v_layer, items, kv_slots, mask, scale, out)
+            return out
+
+        hidden = lean.run(dev[:size], dev[t:t + size], attend, self._rows[:size])
+        return hidden, lean.logits(hidden)
+
+    def _capture(self, size: int) -> torch.cuda.CUDAGraph:
+        """Captures the bucket's forward over the buffers as they are (the current step's
+        inputs: the warm-up runs compute what the replay will, so they change nothing)."""
+        start = time.perf_counter()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # compiles the kernels, settles cuBLAS' workspaces
+            for _ in range(2):
+                self._body(size)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._outputs[size] = self._body(size)
+        self._graphs[size] = graph
+        seconds = time.perf_counter() - start
+        self.capture_seconds += seconds
+        log.info("verify step captured for %d rows in %.2f s (%d graphs)", size, seconds,
+                 len(self._graphs))
+        return graph
+
+    @torch.inference_mode()
+    def capture_all(self) -> float:
+        """Captures every bucket, largest first (their memory then reuses the largest's pool),
+        over padding-only inputs (no request's KV is touched); returns the seconds it took."""
+        start = time.perf_counter()
+        t, host = self.max_rows, self._host
+        host[:2 * t] = 0
+        host[2 * t:3 * t] = self.store.scratch_slot
+        host[3 * t:self._kv_at] = 0
+        self._dev[:self._kv_at].copy_(host[:self._kv_at])
+        for size in sorted(self.buckets, reverse=True):
+            if size not in self._graphs:
+                self._capture(size)
+        torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
