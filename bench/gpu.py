@@ -38,7 +38,8 @@ from specmesh_services.common.serving import compute_executor
 from specmesh_services.launch.redis_server import find_redis_server
 
 MODEL = "smollm2-135m"
-TESTS = ["tests/test_kernels.py", "tests/test_cuda.py", "tests/test_walk_draws.py"]
+TESTS = ["tests/test_kernels.py", "tests/test_cuda.py", "tests/test_cuda_mesh.py",
+         "tests/test_walk_draws.py"]
 PARTS = ("generate", "mesh", "step", "anchor", "up")  # in run order: the most fragile last
 # hidden, intermediate, layers, heads, kv heads, vocab (Qwen2: q/k/v biases, tied embeddings)
 SHAPES = {"qwen2.5-1.5b": (1536, 8960, 28, 12, 2, 151936), "tiny": (64, 128, 2, 4, 2, 512)}
@@ -88,11 +89,14 @@ def pytest_counts(text: str) -> dict[str, int]:
     return {}
 
 
-def run_tests(out: Path, device: torch.device) -> dict:
+def run_tests(out: Path, device: torch.device, gguf: Path | None = None) -> dict:
     """The kernel, CUDA and device-walk tests in a subprocess (8 workers where pytest-xdist is
     installed), their output in out/tests.log. On CUDA with CUDA_VISIBLE_DEVICES set: without it
-    tests/conftest.py runs the Triton kernels in Triton's interpreter."""
+    tests/conftest.py runs the Triton kernels in Triton's interpreter. `gguf`: SmolLM2's file
+    for the mesh tests where its package is not installed."""
     env = dict(os.environ)
+    if gguf is not None:
+        env["SPECMESH_TEST_GGUF"] = str(gguf)
     if device.type == "cuda" and not env.get("CUDA_VISIBLE_DEVICES"):
         env["CUDA_VISIBLE_DEVICES"] = str(device.index or 0)
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
@@ -623,7 +627,7 @@ class Bench:
         parts = self.args.parts
         if self.args.tests:
             self.out.mkdir(parents=True, exist_ok=True)
-            self.report["tests"] = run_tests(self.out, self.device)
+            self.report["tests"] = run_tests(self.out, self.device, self.args.gguf)
             self.save()
         real = ("generate", "mesh", "up")  # the parts on SmolLM2's weights and prompts
         if set(real) & set(parts) and not self.attempt("SmolLM2 (weights, prompts)", self.model):
