@@ -5,6 +5,7 @@ model files, prompts (token ids) and thread count, plain and speculative, batch 
     python -m bench.peers                                 # SmolLM2-135M, 24 prompts x 128
     python -m bench.peers --model qwen2.5-coder-1.5b      # draft qwen2.5-coder-0.5b
     python -m bench.peers --quick                         # smoke run: 2 prompts x 16 tokens
+    python -m bench.peers --rounds 3                      # engines alternating over 3 groups
 Writes bench/results/peers-<model>[-quick][-<tag>].json, .md and .png. Run it alone.
 """
 from __future__ import annotations
@@ -224,7 +225,47 @@ def parse(argv: list[str] | None):
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 prompts x 16 tokens")
     parser.add_argument("--tag", default="", help="suffix of the result files (runs of some "
                         "--engines do not overwrite each other)")
+    parser.add_argument("--rounds", type=int, default=1, help="interleave: the prompts in this "
+                        "many groups (every k-th prompt), every engine over one group before "
+                        "the next, each row summed over the groups, so host drift hits every "
+                        "engine alike [1]")
     return parser.parse_args(argv)
+
+
+def merge_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """Each (engine, mode, batch) row summed over the rounds: tokens, seconds, identical counts
+    and the accepted length weighted by tokens; `round_tok_s` keeps each round's rate. A round
+    that failed makes the row fail."""
+    merged: dict[tuple, dict] = {}
+    for rows in rounds:
+        for row in rows:
+            key = (row["engine"], row["mode"], row["batch"])
+            into = merged.get(key)
+            if into is None:
+                merged[key] = {**row, "round_tok_s": [row.get("tok_s")]}
+                continue
+            into["round_tok_s"].append(row.get("tok_s"))
+            if "error" in row or "error" in into:
+                into.setdefault("error", row.get("error"))
+                continue
+            for name in ("identical", "identical_to_own_plain"):
+                into[name] = _add_counts(into.get(name, "-"), row.get(name, "-"))
+            if into.get("accepted_length") is not None and row.get("accepted_length") is not None:
+                into["accepted_length"] = (into["accepted_length"] * into["tokens"]
+                                           + row["accepted_length"] * row["tokens"]) / (
+                    into["tokens"] + row["tokens"])
+            into["tokens"] += row["tokens"]
+            into["seconds"] += row["seconds"]
+            into["tok_s"] = into["tokens"] / into["seconds"] if into["seconds"] else 0.0
+    return list(merged.values())
+
+
+def _add_counts(a: str, b: str) -> str:
+    """'k/n' + 'k/n' ('-' where either has no reference)."""
+    if "/" not in a or "/" not in b:
+        return "-"
+    (ka, na), (kb, nb) = (map(int, x.split("/")) for x in (a, b))
+    return f"{ka + kb}/{na + nb}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -243,15 +284,23 @@ def main(argv: list[str] | None = None) -> int:
     prompts = load_prompts(config, tokenizer)
     say(f"{args.model}, {dtype}: {len(prompts)} prompts x {config.max_tokens} tokens, "
         f"{args.threads} threads, engines {' '.join(args.engines)}")
-    bench = Bench(args, config, prompts, set(models.eos_token_ids(path, tokenizer)))
-    steps = {"transformers": lambda: bench.transformers(compute),
-             "specmesh": lambda: bench.specmesh(compute),
-             "specmesh-ggml": lambda: bench.specmesh(compute, "ggml"), "llama.cpp": bench.llama,
-             "vllm": bench.vllm}
-    for engine in ENGINES:  # transformers first: its batch-1 outputs are the reference
-        if engine in args.engines:
-            steps[engine]()
+    eos = set(models.eos_token_ids(path, tokenizer))
+    rounds, notes = [], []
+    for k in range(max(1, args.rounds)):
+        if args.rounds > 1:
+            say(f"round {k + 1} of {args.rounds}")
+        bench = Bench(args, config, prompts[k::max(1, args.rounds)], eos)
+        steps = {"transformers": lambda: bench.transformers(compute),
+                 "specmesh": lambda: bench.specmesh(compute),
+                 "specmesh-ggml": lambda: bench.specmesh(compute, "ggml"),
+                 "llama.cpp": bench.llama, "vllm": bench.vllm}
+        for engine in ENGINES:  # transformers first: its batch-1 outputs are the reference
+            if engine in args.engines:
+                steps[engine]()
+        rounds.append(bench.rows)
+        notes = notes or bench.notes
     compute.shutdown()
+    rows = rounds[0] if len(rounds) == 1 else merge_rounds(rounds)
     name = (f"peers-{args.model}" + ("-quick" if args.quick else "")
             + (f"-{args.tag}" if args.tag else ""))
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.machine(),
@@ -261,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
               "config": {"model": args.model, "draft": DRAFTS.get(args.model), "dtype": dtype,
                          "max_tokens": config.max_tokens, "threads": args.threads,
                          "batches": args.batches},
-              "prompts": [p.name for p in prompts], "rows": bench.rows, "notes": bench.notes}
+              "prompts": [p.name for p in prompts], "rows": rows, "notes": notes,
+              "rounds": max(1, args.rounds)}
     save_report(name, report, peers_report.markdown(report))
     png = RESULTS / f"{name}.png"
     say(f"wrote {RESULTS / name}.json, .md" + (", .png" if peers_report.plot(report, png)

@@ -66,6 +66,7 @@ def markdown(report: dict) -> str:
               "batch 1 (a final EOS aside), of the prompts; the engines' weights differ (llama.cpp "
               "runs the GGUF's quantized blocks, specmesh with dtype auto the GGUF's 4-bit layers as "
               "int4 codes), and so do their outputs."]
+    lines += _rounds(report)
     errors = [r for r in rows if r.get("error")]
     if errors:
         lines += ["", "Failed:", ""] + [f"- {r['engine']} {r['mode']} batch {r['batch']}: "
@@ -104,3 +105,21 @@ def plot(report: dict, path: Path) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def _rounds(report: dict) -> list[str]:
+    """With --rounds: each row's ratio to llama.cpp plain round by round (the engines alternated
+    over the prompt groups, so a ratio's spread is the noise left after the host's drift)."""
+    if report.get("rounds", 1) <= 1:
+        return []
+    out = ["", f"Interleaved over {report['rounds']} prompt groups; ratio to llama.cpp plain "
+           f"in each round:"]
+    for r in report["rows"]:
+        llama = next((x for x in report["rows"] if (x["engine"], x["mode"], x["batch"])
+                      == ("llama.cpp", "plain", r["batch"])), None)
+        if r.get("error") or llama is None or llama is r or llama.get("error"):
+            continue
+        ratios = [_ratio(a, b) for a, b in zip(r.get("round_tok_s", []),
+                                                 llama.get("round_tok_s", []))]
+        out.append(f"- {r['engine']} {r['mode']} batch {r['batch']}: {', '.join(ratios)}")
+    return out

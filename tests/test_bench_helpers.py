@@ -167,3 +167,25 @@ def test_gpu_ratios_divide_tok_s_and_leave_a_missing_side_out():
             {"method": "up", "batch": 1, "error": "RuntimeError: no redis-server"}]
     assert [x for _, x in ratios(rows, 8)] == [0.5, 0.25, 4.0, 2.0, None]
     assert [x for _, x in ratios(rows[:1], 8)] == [None] * 5
+
+
+def test_interleaved_peers_rounds_sum_into_one_row_each():
+    from bench.peers import merge_rounds
+    from bench.peers_report import _rounds
+
+    def row(engine, tokens, seconds, accepted=None, identical="1/2"):
+        return {"engine": engine, "mode": "plain", "batch": 1, "tokens": tokens,
+                "seconds": seconds, "tok_s": tokens / seconds, "identical": identical,
+                "identical_to_own_plain": "2/2", "accepted_length": accepted}
+
+    rows = merge_rounds([[row("llama.cpp", 100, 1.0), row("specmesh", 100, 2.0, 2.0)],
+                         [row("llama.cpp", 300, 2.0), row("specmesh", 100, 1.0, 4.0, "2/2")]])
+    llama, mesh = rows
+    assert (llama["tokens"], llama["seconds"], llama["tok_s"]) == (400, 3.0, 400 / 3.0)
+    assert (mesh["tokens"], mesh["seconds"], mesh["accepted_length"]) == (200, 3.0, 3.0)
+    assert (mesh["identical"], mesh["identical_to_own_plain"]) == ("3/4", "4/4")
+    assert mesh["round_tok_s"] == [50.0, 100.0]
+    failed = merge_rounds([[row("x", 1, 1.0)], [{**row("x", 1, 1.0), "error": "boom"}]])
+    assert failed[0]["error"] == "boom"
+    lines = _rounds({"rounds": 2, "rows": rows})
+    assert lines[-1] == "- specmesh plain batch 1: 0.50x, 0.67x"
