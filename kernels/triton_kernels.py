@@ -192,11 +192,16 @@ def work_items(meta: TreeBatch, ranges: list[tuple[int, int, int, int]], rows_pe
     rows_per_item query rows. Returns the int32 table [num_items, ITEM_COLS]."""
     rows = []
     for s, kv_lo, kv_hi, chunk in ranges:
-        q_seg, q_end = meta.qo[s], meta.qo[s + 1]
-        for q_lo in range(q_seg, q_end, rows_per_item):
-            rows.append((q_lo, min(q_lo + rows_per_item, q_end), q_seg, meta.n(s), meta.kv[s],
-                         kv_lo, kv_hi, meta.prefix_len(s), meta.mask_off[s], chunk))
+        rows += item_rows(meta.qo[s], meta.n(s), meta.kv[s], kv_lo, kv_hi, meta.prefix_len(s),
+                          meta.mask_off[s], chunk, rows_per_item)
     return torch.tensor(rows, dtype=torch.int32, device=device).view(-1, ITEM_COLS)
+
+
+def item_rows(q_seg: int, n: int, kv_off: int, kv_lo: int, kv_hi: int, prefix: int,
+              mask_off: int, chunk: int, rows_per_item: int) -> list[tuple[int, ...]]:
+    """The work-item rows of one segment's KV range: its n query rows from q_seg in blocks."""
+    return [(q_lo, min(q_lo + rows_per_item, q_seg + n), q_seg, n, kv_off, kv_lo, kv_hi,
+             prefix, mask_off, chunk) for q_lo in range(q_seg, q_seg + n, rows_per_item)]
 
 
 def rows_per_item(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,

@@ -150,6 +150,27 @@ def binned(counts, expected, min_expected=5.0):
     return obs.numpy(), exp.numpy()
 
 
+def sampled_round(engine, contexts: dict[str, list[int]], trees: dict[str, TokenTree],
+                  logits: dict[str, torch.Tensor], params: SamplingParams, r: int, per: int
+                  ) -> list[tuple[str, int, int]]:
+    """One step of `per` requests per context (seeds r * per + j), each re-registered at its
+    prompt (its KV rows kept: no re-prefill): (request, its first emitted token, the loop-based
+    sampler's draw from the context's logits with the same seed)."""
+    items = []
+    for name, prompt in contexts.items():
+        for j in range(per):
+            engine.load(state(f"{name}{j}", prompt, params, seed=r * per + j), [])
+            items.append((f"{name}{j}", trees[name]))
+    out = []
+    for (rid, _), result in zip(items, engine.step(items)):
+        w = result.outcome.walk
+        prompt = contexts[rid[0]]
+        alone = Sampler(params, engine.requests[rid].sampler.seed, len(prompt)).sample(
+            logits[rid[0]], len(prompt), prompt)
+        out.append((rid, w.tokens[0] if w.tokens else w.bonus, alone))
+    return out
+
+
 def test_sampling_distribution_with_batching(verify_lm, chat_prompt_ids):
     """Temperature 1: 2 contexts x 4 requests (distinct seeds) per step, 250 steps. Each
     request's first emitted token is the loop-based sampler's draw from the target's own
@@ -175,19 +196,7 @@ def test_sampling_distribution_with_batching(verify_lm, chat_prompt_ids):
     rounds, per = 250, 4
     counts = {name: torch.zeros_like(p) for name, p in probs.items()}
     for r in range(rounds):
-        items = []
-        for name, prompt in contexts.items():
-            for j in range(per):
-                rid = f"{name}{j}"
-                # re-registering at the prompt keeps the prompt's KV rows: no re-prefill
-                engine.load(state(rid, prompt, hot, seed=r * per + j), [])
-                items.append((rid, trees[name]))
-        for (rid, _), result in zip(items, engine.step(items)):
-            w = result.outcome.walk
-            token = w.tokens[0] if w.tokens else w.bonus
-            prompt = contexts[rid[0]]
-            alone = Sampler(hot, engine.requests[rid].sampler.seed, len(prompt)).sample(
-                logits[rid[0]], len(prompt), prompt)
+        for rid, token, alone in sampled_round(engine, contexts, trees, logits, hot, r, per):
             assert token == alone, f"{rid} round {r}: batched draw differs from the reference"
             counts[rid[0]][token] += 1
     for name in contexts:

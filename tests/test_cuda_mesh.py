@@ -15,10 +15,10 @@ from scipy.stats import chisquare
 
 from specmesh_services.common import models
 from specmesh_services.common.config import Settings
-from specmesh_services.common.sampling import Sampler, SamplingParams
+from specmesh_services.common.sampling import SamplingParams
 from specmesh_services.common.tree import TokenTree
 from specmesh_services.verifier.engine import EngineLimits, VerifierEngine
-from test_batch_verify import binned, state  # tests/ is on the path
+from test_batch_verify import binned, sampled_round  # tests/ is on the path
 from test_lean_target import chain
 
 pytestmark = pytest.mark.skipif(
@@ -110,17 +110,7 @@ def test_sampling_on_cuda_follows_the_softmax():
     rounds, per, same = 250, 4, 0
     counts = {name: torch.zeros_like(p) for name, p in probs.items()}
     for r in range(rounds):
-        items = []
-        for name, prompt in contexts.items():
-            for j in range(per):
-                engine.load(state(f"{name}{j}", prompt, hot, seed=r * per + j), [])
-                items.append((f"{name}{j}", trees[name]))
-        for (rid, _), result in zip(items, engine.step(items)):
-            w = result.outcome.walk
-            token = w.tokens[0] if w.tokens else w.bonus
-            prompt = contexts[rid[0]]
-            alone = Sampler(hot, engine.requests[rid].sampler.seed, len(prompt)).sample(
-                logits[rid[0]], len(prompt), prompt)
+        for rid, token, alone in sampled_round(engine, contexts, trees, logits, hot, r, per):
             same += token == alone
             counts[rid[0]][token] += 1
     assert same >= 0.99 * rounds * per * len(contexts), same

@@ -20,13 +20,12 @@ import time
 import torch
 
 from specmesh_kernels.backend import SPLIT_KV_MIN
+from specmesh_kernels.tree_attention import LOG2E
 from specmesh_services.common.lean import LeanDecoder
 from specmesh_services.verifier.kv import KVStore
 
 log = logging.getLogger(__name__)
 
-LOG2E = 1.4426950408889634
-ITEM_COLS = 10  # kernels/triton_kernels.py's work-item row
 
 
 def buckets(max_rows: int) -> tuple[int, ...]:
@@ -49,12 +48,12 @@ class StepGraphs:
         self.device = store.k.device
         self.capture = self.device.type == "cuda" if capture is None else capture
         self.buckets = buckets(max_rows)
-        self._tk = tk
+        self._tk, self._cols = tk, tk.ITEM_COLS  # the work-item table's row width
         self._per_item = tk.rows_per_item(self.device, lean.dtype, lean.heads, lean.kv_heads,
                                           lean.head_dim)
         t = max_rows
         # int64 layout: tokens [t], positions [t], new slots [t], items [t, 10], KV slots
-        self._kv_at = (3 + ITEM_COLS) * t
+        self._kv_at = (3 + self._cols) * t
         size = self._kv_at + store.num_slots
         pin = self.device.type == "cuda"
         self._host = torch.zeros(size, dtype=torch.long, pin_memory=pin)
@@ -114,9 +113,8 @@ class StepGraphs:
             kv_slots.append(slots)
             new_slots.append(slots[s.start:])
             masks.append(s.mask.reshape(-1))
-            for lo in range(q_at, q_at + n, self._per_item):
-                items.append((lo, min(lo + self._per_item, q_at + n), q_at, n, kv_at, 0,
-                              s.start + n, s.start, mask_at, 0))
+            items += self._tk.item_rows(q_at, n, kv_at, 0, s.start + n, s.start, mask_at, 0,
+                                        self._per_item)
             q_at, kv_at, mask_at = q_at + n, kv_at + s.start + n, mask_at + n * n
         host[:rows] = torch.cat([s.tokens for s in segments])
         host[rows:size] = 0
@@ -124,7 +122,7 @@ class StepGraphs:
         host[t + rows:t + size] = 0
         host[2 * t:2 * t + rows] = torch.cat(new_slots)
         host[2 * t + rows:2 * t + size] = store.scratch_slot
-        table = host[3 * t:3 * t + ITEM_COLS * size].view(size, ITEM_COLS)
+        table = host[3 * t:3 * t + self._cols * size].view(size, self._cols)
         table[:len(items)] = torch.tensor(items, dtype=torch.long)
         table[len(items):] = 0  # empty items
         end = self._kv_at + kv_at
@@ -140,7 +138,7 @@ class StepGraphs:
         """The forward over the first `size` rows of the persistent buffers."""
         t, dev, lean, store, tk = self.max_rows, self._dev, self.lean, self.store, self._tk
         new_slots = dev[2 * t:2 * t + size]
-        items = dev[3 * t:3 * t + ITEM_COLS * size].view(size, ITEM_COLS)
+        items = dev[3 * t:3 * t + self._cols * size].view(size, self._cols)
         kv_slots, mask, scale = dev[self._kv_at:], self._dev_mask, lean.scale * LOG2E
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
