@@ -104,8 +104,10 @@ class GgmlModel:
         wanted = sum(bool(o) for o in outputs)
         if not wanted:
             return np.empty((0, self.vocab_size), dtype=np.float32)
-        logits = self._lc.llama_get_logits(self.ctx)
-        return np.ctypeslib.as_array(logits, shape=(wanted, self.vocab_size)).copy()
+        out = np.empty((wanted, self.vocab_size), dtype=np.float32)
+        # a plain memmove: np.ctypeslib.as_array took 0.8 ms a call in the serving process
+        ctypes.memmove(out.ctypes.data, self._lc.llama_get_logits(self.ctx), out.nbytes)
+        return out
 
     # the KV cache, by sequence ----------------------------------------------------------------
     def seq_copy(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
