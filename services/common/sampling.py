@@ -164,6 +164,15 @@ def coupled_scores(probs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return torch.log(probs) - torch.log(weights.to(probs.device))
 
 
+def greedy_token(logits: torch.Tensor) -> int:
+    """argmax of one row (the first index on ties, as torch's). A float32 row on the CPU goes
+    through numpy: torch's argmax wakes its thread pool, 0.2-0.9 ms right after a llama.cpp
+    decode on 2 cores against numpy's 0.02 ms."""
+    if logits.dtype == torch.float32 and logits.device.type == "cpu":
+        return int(logits.detach().numpy().argmax())
+    return int(torch.argmax(logits))
+
+
 class Sampler:
     """Draws one token from a logits row for a given output position of one request.
 
@@ -192,7 +201,7 @@ class Sampler:
                                  f"{position}, got {'none' if history is None else len(history)}")
             logits = apply_penalties(logits, history, self.prompt_len, self.params)
         if self.params.greedy:
-            return int(torch.argmax(logits))
+            return greedy_token(logits)
         probs = probabilities(logits, self.params)
         return int(torch.argmax(coupled_scores(probs, race_weights(self.seed, position,
                                                                    probs.shape[-1]))))

@@ -153,6 +153,11 @@ def compile_tree(tree: TokenTree, root_token: int) -> CompiledTree:
     """Compiles `tree` below `root_token` into forward-pass buffers (on numpy rows: torch's
     per-row indexing cost ~40 us a row, 2.7 ms for a 64-node tree)."""
     n = len(tree)
+    if n == 0:  # the root alone (plain steps): no numpy round
+        return CompiledTree(tokens=torch.tensor([root_token]),
+                            depths=torch.zeros(1, dtype=torch.long),
+                            ancestors=torch.ones(1, 1, dtype=torch.bool), children=[[]],
+                            parents=torch.full((1,), -1))
     parent_rows = [-1] + [p + 1 for p in tree.parents]
     depths = [0] * (n + 1)
     children: list[list[int]] = [[] for _ in range(n + 1)]

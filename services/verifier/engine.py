@@ -281,11 +281,14 @@ class VerifierEngine:
                  ) -> Segment:
         chain = req.tokens[cached:-1]
         c, m = len(chain), compiled.num_rows
+        root = len(req.tokens) - 1
+        if not c:  # the tree alone (every step after the prefill): its own buffers
+            return Segment(request_id, cached, compiled.tokens, root + compiled.depths,
+                           compiled.ancestors, logits_from=0, parents=compiled.parents)
         mask = torch.zeros(c + m, c + m, dtype=torch.bool)
         mask[:c, :c] = torch.ones(c, c, dtype=torch.bool).tril()
         mask[c:, :c] = True
         mask[c:, c:] = compiled.ancestors
-        root = len(req.tokens) - 1
         positions = torch.cat([torch.arange(cached, root), root + compiled.depths])
         tokens = torch.cat([torch.tensor(chain, dtype=torch.long), compiled.tokens])
         return Segment(request_id, cached, tokens, positions, mask, logits_from=c,
