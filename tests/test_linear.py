@@ -2,6 +2,10 @@
 linear (the reference)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -194,3 +198,28 @@ def test_real_model_bf16_greedy_matches_torch_linears(target_path, tokenizer):
         kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24,
                   pad_token_id=tokenizer.eos_token_id)
         assert fast.generate(ids, **kw).tolist() == stock.generate(ids, **kw).tolist()
+
+
+PROBE_THREADS = """
+import os, torch
+from specmesh_kernels.fp16 import fp16_supports
+from specmesh_kernels.int4 import int4_supports
+from specmesh_kernels.onednn import onednn_supports
+from specmesh_services.common import models
+tasks = lambda: len(os.listdir("/proc/self/task"))
+before, threads = tasks(), torch.get_num_threads()
+fp16_supports(), int4_supports(), onednn_supports(torch.bfloat16), models.resolve_dtype("auto")
+print(before, tasks(), threads, torch.get_num_threads())
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_kernel_probes_start_no_openmp_team():
+    """A probe in the event-loop thread must not give it an OpenMP team: with more OpenMP
+    threads than cores libgomp stops spinning at barriers, and llama.cpp's decode in the
+    compute thread ran 1.45x slower."""
+    out = subprocess.run([sys.executable, "-c", PROBE_THREADS], capture_output=True, text=True,
+                         check=True).stdout.split()
+    before, after, threads, threads_after = map(int, out)
+    assert after == before, "a probe started threads"
+    assert threads_after == threads, "a probe left torch's thread count changed"
