@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 
 from specmesh_services.common import models
-from specmesh_services.verifier.engine import EngineLimits
+from specmesh.v1 import pool_pb2
+from specmesh_services.common.sampling import SamplingParams
+from specmesh_services.verifier.engine import EngineLimits, VerifierEngine
 from specmesh_services.verifier.ggml_engine import GgmlEngine, GgmlLM
 from specmesh_services.verifier.ggml_model import GgmlModel, available
 
@@ -110,6 +112,48 @@ def test_trees_through_llama_cpp_give_its_own_greedy_decoding(gguf, prompts, pla
         group = {rid: prompts[rid] for rid in names[i:i + batch]}
         outputs.update(run(engine, group, plain_greedy, f"b{batch}"))
     assert assert_plain_or_tie(outputs, plain_greedy) >= 1  # measured: 2 of 4 at batch 1
+    assert engine.store.used_blocks == 0 and sorted(engine.store.free_seqs) == list(range(256))
+    model.close()
+
+
+def plain_runs(engine: GgmlEngine, prompts: dict, params=SamplingParams()) -> dict:
+    """Every request decoded by plain runs (empty trees, `plain_tokens` up to 8) to TOKENS."""
+    for rid, prompt in prompts.items():
+        engine.load(state(rid, prompt, params, seed=7), [])
+    got = {rid: [] for rid in prompts}
+    while todo := [rid for rid in prompts if len(got[rid]) < TOKENS]:
+        entries = [pool_pb2.DraftEntry(request_id=rid, step=1, base_len=len(got[rid]),
+                                       plain_tokens=min(8, TOKENS - len(got[rid])))
+                   for rid in todo]
+        for rid, done in zip(todo, engine.step_entries(entries)):
+            assert done is not None and not done[0].error
+            got[rid] += done[1]
+    for rid, prompt in prompts.items():
+        assert engine.requests[rid].tokens == prompt + got[rid]
+        assert engine.store.length(rid) == len(prompt) + TOKENS - 1  # the last token: next step
+        engine.release(rid)
+    return got
+
+
+def test_plain_runs_decode_in_one_call_a_round_as_the_step_does(gguf, prompts, plain_greedy,
+                                                               monkeypatch):
+    """A plain run's rounds go straight to llama_decode (no generic step): at batch 1 and 3
+    llama.cpp's own greedy decoding (or a near-tie); a sampled, penalized request draws the
+    same tokens as through the generic step (same rows, same sampler)."""
+    model = GgmlModel(gguf, n_ctx=4096, n_batch=512, n_seq_max=256, threads=2)
+    engine = GgmlEngine(GgmlLM(model, "smollm2-135m", 8192),
+                        limits=EngineLimits(kv_budget_tokens=3072))
+    generic = VerifierEngine._plain_round
+    monkeypatch.setattr(VerifierEngine, "_plain_round", lambda *a: pytest.fail("generic round"))
+    names = list(prompts)
+    outputs = plain_runs(engine, {names[0]: prompts[names[0]]})
+    outputs.update(plain_runs(engine, {rid: prompts[rid] for rid in names[1:]}))
+    assert assert_plain_or_tie(outputs, plain_greedy) >= 1
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.3)
+    lean = plain_runs(engine, {"s": prompts[names[0]]}, sampled)
+    monkeypatch.setattr(VerifierEngine, "_plain_round", generic)
+    monkeypatch.setattr(GgmlEngine, "_plain_round", generic)
+    assert plain_runs(engine, {"s": prompts[names[0]]}, sampled) == lean
     assert engine.store.used_blocks == 0 and sorted(engine.store.free_seqs) == list(range(256))
     model.close()
 

@@ -411,15 +411,20 @@ class VerifierEngine:
                 and not entry.heads_nodes and done[0].bonus not in entry.stop_token_ids}
         while runs:
             ids = list(runs)
-            for request_id, stepped in zip(ids, self.step([(r, TokenTree()) for r in ids])):
+            for request_id, token in zip(ids, self._plain_round(ids)):
                 i, left = runs.pop(request_id)
-                if stepped.outcome is None:
+                if token is None:
                     continue
-                token = stepped.outcome.walk.bonus
                 out[i][0].continued.append(token)
                 out[i][1].append(token)
                 if left > 1 and token not in entries[i].stop_token_ids:
                     runs[request_id] = (i, left - 1)
+
+    def _plain_round(self, request_ids: list[str]) -> list[int | None]:
+        """One more token of each request, decoded in one step without trees (None: deferred
+        or failed: its run ends)."""
+        return [None if stepped.outcome is None else stepped.outcome.walk.bonus
+                for stepped in self.step([(r, TokenTree()) for r in request_ids])]
 
     def _draft_heads(self, entries: list[pool_pb2.DraftEntry], out: list) -> None:
         """Fills the heads' trees of the entries that asked for one, in one batch: each below
