@@ -355,9 +355,13 @@ class VerifierEngine:
                  forward_seconds: float = 0.0, walk_seconds: float = 0.0) -> None:
         rows = sum(p.segment.num_rows for p in planned)
         context = sum(p.segment.start + p.segment.num_rows for p in planned)
-        self.last_step = StepStats(rows, context, len(planned), trees, seconds, forward_seconds,
-                                   walk_seconds, getattr(self.target, "last_bucket", 0))
-        self.cost.observe(rows, context, len(planned), seconds)
+        self._record(StepStats(rows, context, len(planned), trees, seconds, forward_seconds,
+                               walk_seconds, getattr(self.target, "last_bucket", 0)))
+
+    def _record(self, stats: StepStats) -> None:
+        """A step done: its stats for metrics and traces, an observation of the cost model."""
+        self.last_step = stats
+        self.cost.observe(stats.rows, stats.context, stats.segments, stats.seconds)
         self.steps += 1
 
     # pool entries -----------------------------------------------------------------------------

@@ -200,11 +200,9 @@ class GgmlEngine(VerifierEngine):
             req.last_used = time.monotonic()
             store.lengths[request_id] = k
             store.truncate_blocks(request_id)
-        seconds, rows = forward_end - start, len(reqs)
-        self.last_step = StepStats(rows, sum(n), rows, rows, seconds, forward_end - forward_start,
-                                   time.perf_counter() - forward_end)
-        self.cost.observe(rows, sum(n), rows, seconds)
-        self.steps += 1
+        rows = len(reqs)
+        self._record(StepStats(rows, sum(n), rows, rows, forward_end - start,
+                               forward_end - forward_start, time.perf_counter() - forward_end))
         return tokens
 
 
