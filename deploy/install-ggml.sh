@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Installs llama-cpp-python (llama.cpp's kernels: --target-runner ggml) into the environment of
 # the Python given as $1, at the version pinned by pyproject.toml's `ggml` extra, compiled for
-# this CPU (-march=native) from its source with deploy/patch-llama-cpp.sh applied (the AMX fix);
-# the wheel's local version label (+specmesh.N) tells the server the fix is in. The wheel is
-# cached per CPU kind (its SIMD flags) under
+# this CPU (-march=native) from its source with deploy/patch-llama-cpp.sh applied (tiled Q4_1
+# and Q6_K products, the AMX fix); the wheel's local version label (+specmesh.N) tells the
+# server the fixes are in. The wheel is cached per CPU kind (its SIMD flags) under
 # $SPECMESH_WHEELS (default ~/.cache/specmesh/wheels), so a second setup installs in seconds and a
 # host of another kind builds its own. A missing compiler or a failed build prints what to
 # install and exits 0: the torch target keeps working without it.
@@ -15,7 +15,7 @@ FLAGS=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | tr ' ' '\n' |
         grep -E '^(sse4_2|avx|avx2|fma|f16c|avx_vnni|avx512[a-z0-9_]*|amx_[a-z0-9]*)$' | sort | tr '\n' ' ')
 KIND=$(printf '%s %s' "$(uname -m)" "$FLAGS" | md5sum | cut -c1-12)
 CACHE=${SPECMESH_WHEELS:-$HOME/.cache/specmesh/wheels}/$KIND
-LOCAL=specmesh.1  # bump when patch-llama-cpp.sh changes: every host rebuilds once
+LOCAL=specmesh.2  # bump when patch-llama-cpp.sh or llama-cpp/ change: every host rebuilds once
 VERSION=${PIN#*==}+$LOCAL
 
 if "$PYTHON" -c "import importlib.metadata as m, sys; sys.exit(m.version('llama-cpp-python') != '$VERSION')" 2>/dev/null; then

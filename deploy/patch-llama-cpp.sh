@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
-# Fixes llama.cpp's AMX matrix product (ggml-cpu/amx/mmq.cpp) before it is compiled; without
-# it every AMX CPU (Sapphire Rapids and later) gets SIGILL from the first tileloadd once
-# llama.cpp repacks weights for AMX (its default). $1: the llama.cpp source tree (holding ggml/).
+# Changes llama.cpp's CPU kernels before they are compiled. $1: the llama.cpp source tree
+# (holding ggml/). Idempotent; a tree without the code a change expects (a later version) is
+# left as it is for that change.
+#
+# A. Tiled Q4_1 and Q6_K products (deploy/llama-cpp/sgemm-*.inc): llamafile_sgemm gains these
+#    weight types on x86 (AVX2), so a batch of several tokens (a tree's nodes) shares each
+#    weight block's unpacking instead of paying a one-token step per token.
+#
+# B. The AMX matrix product (ggml-cpu/amx/mmq.cpp): without the fix every AMX CPU (Sapphire
+# Rapids and later) gets SIGILL from the first tileloadd once llama.cpp repacks weights for AMX
+# (its default).
 #
 # ggml_tile_config_init() fills a tile_config_t on the stack for _tile_loadconfig():
 # 1. GCC 12 does not see that builtin read the struct and drops the stores of the rows and
@@ -11,9 +19,62 @@
 #    same OpenMP threads releases the tiles after its own AMX work (torch's oneDNN does, in the
 #    same process as the verifier's drafters): the config is loaded on every call instead
 #    (one ldtilecfg per thread per matrix product).
-# Idempotent; a tree without that code (a later version) is left as it is.
 set -euo pipefail
 SRC=${1:?usage: patch-llama-cpp.sh LLAMA_CPP_SOURCE_DIR}
+HERE=$(cd "$(dirname "$0")" && pwd)
+
+# A. tiled Q4_1 and Q6_K: each kernel's file beside sgemm.cpp, included at the end of its
+#    namespace, and a case in llamafile_sgemm's switch on the weight type
+SGEMM="$SRC/ggml/src/ggml-cpu/llamafile/sgemm.cpp"
+tile() {  # TYPE (as GGML_TYPE_*), activation type, block types, kernel file
+    local type=$1 btype=$2 ablock=$3 bblock=$4 inc=$5 class=tinyBLAS_${1}_AVX
+    grep -q "$inc" "$SGEMM" && return 0
+    if [ "$(grep -c '^} // namespace$' "$SGEMM")" != 1 ] || ! grep -q '^    case GGML_TYPE_IQ4_NL: {$' "$SGEMM" ||
+       grep -q "case GGML_TYPE_$type:" "$SGEMM"; then
+        echo "patch-llama-cpp.sh: $SGEMM is not the one this patch knows; $type left untiled" >&2
+        return 0
+    fi
+    cp "$HERE/llama-cpp/$inc" "$(dirname "$SGEMM")/"
+    sed -i "s|^} // namespace\$|#include \"$inc\"  // specmesh: tiled $type\n} // namespace|" "$SGEMM"
+    sed -i "s|^    case GGML_TYPE_IQ4_NL: {\$|    case GGML_TYPE_$type: {  // specmesh: $inc\\
+#if defined(__AVX2__)\\
+        if (Btype != GGML_TYPE_$btype)\\
+            return false;\\
+        $class tb{k, (const $ablock *)A, lda, (const $bblock *)B, ldb,\\
+                  (float *)C, ldc, params->ith, params->nth};\\
+        tb.matmul(m, n);\\
+        return true;\\
+#else\\
+        return false;\\
+#endif\\
+    }\\
+\\
+&|" "$SGEMM"
+}
+if [ -f "$SGEMM" ]; then
+    tile Q4_1 Q8_1 block_q4_1 block_q8_1 sgemm-q4_1.inc
+    tile Q6_K Q8_K block_q6_K block_q8_K sgemm-q6_K.inc
+fi
+# ggml's tiled K-quant path takes every product of 8 tokens or more and unpacks the whole
+# matrix whatever the count: Q6_K goes to the kernel above below 32 tokens (AVX2 builds)
+TILED="$SRC/ggml/src/ggml-cpu/tiled/tiled.cpp"
+if [ -f "$TILED" ] && grep -q sgemm-q6_K.inc "$SGEMM" && ! grep -q 'specmesh: sgemm-q6_K' "$TILED"; then
+    if [ "$(grep -c '^    if (!ggml_tiled_min_batch(dst->src\[1\]->ne\[1\])) {$' "$TILED")" = 1 ]; then
+        sed -i 's|^    if (!ggml_tiled_min_batch(dst->src\[1\]->ne\[1\])) {$|    if (!ggml_tiled_min_batch(dst->src[1]->ne[1]) \|\|\
+        (specmesh_q6_k_sgemm \&\& dst->src[0]->type == GGML_TYPE_Q6_K \&\& dst->src[1]->ne[1] < 32)) {  // specmesh: sgemm-q6_K.inc|' "$TILED"
+        sed -i 's|^static bool ggml_tiled_min_batch(int64_t rows) {$|#if defined(__AVX2__)  // specmesh: sgemm-q6_K.inc serves Q6_K below 32 tokens\
+static constexpr bool specmesh_q6_k_sgemm = true;\
+#else\
+static constexpr bool specmesh_q6_k_sgemm = false;\
+#endif\
+\
+&|' "$TILED"
+    else
+        echo "patch-llama-cpp.sh: $TILED is not the one this patch knows; Q6_K keeps its tiled path from 8 tokens" >&2
+    fi
+fi
+
+# B. AMX
 FILE="$SRC/ggml/src/ggml-cpu/amx/mmq.cpp"
 MARK='specmesh: keep the tile config stores'
 [ -f "$FILE" ] || exit 0

@@ -879,3 +879,81 @@ def test_the_llama_cpp_patch_keeps_the_tile_config_stores(tmp_path):
     mmq.write_text("// a later llama.cpp\n")
     subprocess.run(["bash", ROOT / "deploy" / "patch-llama-cpp.sh", tmp_path], check=True)
     assert mmq.read_text() == "// a later llama.cpp\n"
+
+
+SGEMM_SWITCH = """namespace {
+class tinyBLAS {};
+} // namespace
+
+bool llamafile_sgemm(int Atype, int Btype) {
+    switch (Atype) {
+    case GGML_TYPE_Q5_0: {
+        return false;
+    }
+
+    case GGML_TYPE_IQ4_NL: {
+        if (Btype != GGML_TYPE_Q8_0)
+            return false;
+        return true;
+    }
+
+    default:
+        return false;
+    }
+}
+"""
+
+TILED_ENTRY = """static bool ggml_tiled_min_batch(int64_t rows) {
+    return rows >= 8;
+}
+
+bool ggml_compute_forward_mul_mat_tiled(const struct ggml_compute_params * params,
+                                        struct ggml_tensor * dst) {
+    if (!ggml_tiled_min_batch(dst->src[1]->ne[1])) {
+        return false;
+    }
+    return true;
+}
+"""
+
+
+def test_the_llama_cpp_patch_tiles_q4_1_and_q6_k_products(tmp_path):
+    """deploy/patch-llama-cpp.sh puts the tiled Q4_1 and Q6_K kernels beside llamafile's
+    sgemm.cpp, includes them inside its namespace, gives each weight type a case before
+    IQ4_NL's (AVX2 builds, the activation type checked) and keeps Q6_K products under 32
+    tokens off ggml's tiled path; once however often it runs; a tree it does not know is left
+    as it is, with a message."""
+    cpu = tmp_path / "ggml" / "src" / "ggml-cpu"
+    sgemm, tiled = cpu / "llamafile" / "sgemm.cpp", cpu / "tiled" / "tiled.cpp"
+    for path, text in ((sgemm, SGEMM_SWITCH), (tiled, TILED_ENTRY)):
+        path.parent.mkdir(parents=True)
+        path.write_text(text)
+    for _ in range(2):
+        subprocess.run(["bash", ROOT / "deploy" / "patch-llama-cpp.sh", tmp_path], check=True)
+    text = sgemm.read_text()
+    for inc, (wtype, atype, kernel) in {
+            "sgemm-q4_1.inc": ("Q4_1", "Q8_1", "tinyBLAS_Q4_1_AVX"),
+            "sgemm-q6_K.inc": ("Q6_K", "Q8_K", "tinyBLAS_Q6_K_AVX")}.items():
+        assert (sgemm.parent / inc).read_text() == (ROOT / "deploy" / "llama-cpp" / inc).read_text()
+        assert f"class {kernel} {{" in (sgemm.parent / inc).read_text()
+        assert text.count(f'#include "{inc}"') == 1
+        assert text.index(f'#include "{inc}"') < text.index("} // namespace")
+        case = text[text.index(f"    case GGML_TYPE_{wtype}: {{"):]
+        case = case[:case.index("\n    }\n")]
+        assert text.count(f"case GGML_TYPE_{wtype}:") == 1
+        assert "#if defined(__AVX2__)" in case and f"if (Btype != GGML_TYPE_{atype})" in case
+        assert f"{kernel} tb{{" in case and "tb.matmul(m, n);" in case
+        assert text.index(f"case GGML_TYPE_{wtype}:") < text.index("case GGML_TYPE_IQ4_NL:")
+    assert text.replace("\n", "").count("case GGML_TYPE_IQ4_NL: {        if (Btype") == 1
+    entry = tiled.read_text()
+    assert entry.count("dst->src[0]->type == GGML_TYPE_Q6_K && dst->src[1]->ne[1] < 32") == 1
+    assert entry.count("static constexpr bool specmesh_q6_k_sgemm = true;") == 1
+    assert entry.index("specmesh_q6_k_sgemm = true") < entry.index("static bool ggml_tiled_min_batch")
+    later = "// a later llama.cpp\n"
+    sgemm.write_text(later)
+    (sgemm.parent / "sgemm-q4_1.inc").unlink()
+    tiled.write_text(TILED_ENTRY)
+    done = subprocess.run(["bash", ROOT / "deploy" / "patch-llama-cpp.sh", tmp_path],
+                          check=True, capture_output=True, text=True)
+    assert sgemm.read_text() == later and tiled.read_text() == TILED_ENTRY
+    assert "left untiled" in done.stderr and not (sgemm.parent / "sgemm-q4_1.inc").exists()

@@ -5,12 +5,14 @@ the tree had never been there. Skipped where llama-cpp-python is not installed."
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from specmesh_services.common import models
 from specmesh_services.verifier.ggml_batch import tree_rows
+from specmesh_services.verifier import ggml_model
 from specmesh_services.verifier.ggml_model import GgmlModel, available
 
 # a row's logits may depend on the rows batched with it where ggml picks other kernels for
@@ -163,3 +165,47 @@ def test_more_rows_than_a_batch_go_through_in_several_calls(tokenizer):
         assert_close(got[i], want[i], f"row {i}")
     small.close()
     whole.close()
+
+
+@pytest.fixture(scope="module")
+def q6_k_copy(ggml, tmp_path_factory) -> Path:
+    """The default model's GGUF with its matrices requantized to Q6_K where their width allows
+    (the FFN down projections; the rest fall back to Q8_0): the 1.5B target's second type."""
+    import llama_cpp as lc
+
+    out = tmp_path_factory.mktemp("q6_k") / "smollm2-q6_k.gguf"
+    params = lc.llama_model_quantize_default_params()
+    params.ftype, params.allow_requantize = 18, True  # LLAMA_FTYPE_MOSTLY_Q6_K
+    assert lc.llama_model_quantize(str(ggml.path).encode(), str(out).encode(), params) == 0
+    return out
+
+
+@pytest.mark.parametrize("weights", ["Q4_1 as stored", "Q6_K"])
+def test_rows_decoded_together_get_the_logits_of_one_row_a_call(ggml, tokenizer, q6_k_copy,
+                                                               weights):
+    """Up to 31 rows in one call give each row the logits ggml's one-token kernels give it
+    (one row a call), bit for bit, with the kernels of deploy/patch-llama-cpp.sh on a CPU
+    without AMX (they sum as ggml's own dot products do); llama.cpp's other many-token paths
+    (its tiled K-quant product, AMX tiles) move logits by a few percent."""
+    import llama_cpp as lc
+
+    model = ggml if weights.startswith("Q4_1") else GgmlModel(q6_k_copy, n_ctx=512, n_batch=64,
+                                                              n_seq_max=4, threads=2)
+    tokens = prompt_ids(tokenizer, "Speculative decoding lets a small model draft tokens "
+                                   "that a large one checks in a single pass. " * 3)[:64]
+    model.seq_remove(-1)
+    one = np.concatenate([model.decode([t], [i], [[0]], [True]) for i, t in enumerate(tokens)])
+    ours = "+specmesh" in lc.__version__ and not ggml_model._has_amx()
+    for size in (2, 7, 16, 31):
+        many = np.concatenate([
+            model.decode(tokens[i:i + size], list(range(i, min(i + size, len(tokens)))),
+                         [[1]] * len(tokens[i:i + size]), [True] * len(tokens[i:i + size]))
+            for i in range(0, len(tokens), size)])
+        model.seq_remove(1)
+        if ours:
+            assert np.array_equal(many, one), f"{weights}, {size} rows a call"
+        else:  # measured: 89% of the argmaxes kept through ggml's tiled Q6_K product
+            assert (many.argmax(1) == one.argmax(1)).mean() >= 0.85, f"{weights}, {size} rows"
+    model.seq_remove(-1)
+    if model is not ggml:
+        model.close()
