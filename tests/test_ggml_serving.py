@@ -7,6 +7,7 @@ are refused with a message. Skipped where llama-cpp-python is not installed."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -88,9 +89,8 @@ def test_a_gguf_file_is_a_model_served_by_llama_cpp(questions, compute, referenc
         **{"speculation.depth": 0})
     assert served_runner(settings) == "ggml"
     assert served_runner(settings.with_overrides(dtype="float32")) == "auto"
-    # the registry's choice for the default model: llama.cpp where its AMX kernels run
-    default = served_runner(Settings(cache_dir=tmp_path))
-    assert default == ("ggml" if ggml_model.amx_kernels() else "auto")
+    # the registry's choice for the default model: llama.cpp
+    assert served_runner(Settings(cache_dir=tmp_path)) == "ggml"
     assert models.gguf_file(str(gguf), tmp_path) == gguf.resolve()
     response = serve(settings, questions[:1], compute)[0]
     assert list(response.token_ids) == reference[0][0][:len(response.token_ids)]
@@ -124,13 +124,22 @@ def test_amx_kernels_only_from_the_patched_build(monkeypatch, caplog):
     assert ggml_model.extra_buffers_safe("0.3.36")
 
 
-def test_auto_serves_the_default_model_on_llama_cpp_where_its_amx_kernels_run(monkeypatch,
-                                                                              tmp_path):
-    """SmolLM2's registry entry measured llama.cpp faster with its AMX kernels (ggml-amx):
-    auto picks it there and keeps the torch target elsewhere; the Qwen targets keep it."""
-    monkeypatch.setattr(ggml_model, "available", lambda: None)
+def test_auto_serves_the_default_model_on_llama_cpp(monkeypatch, tmp_path):
+    """SmolLM2's registry entry measured llama.cpp's kernels faster than the torch target
+    (ggml): auto picks them on the CPU wherever llama-cpp-python imports, and keeps the torch
+    target where it does not, on a GPU and where the torch target is asked for (float32,
+    --exact); an entry with ggml-amx takes them only where the AMX kernels run; the Qwen
+    targets keep the torch target."""
     settings = Settings(cache_dir=tmp_path)
+    monkeypatch.setattr(ggml_model, "available", lambda: "llama-cpp-python is not installed")
+    assert served_runner(settings) == "auto"
+    monkeypatch.setattr(ggml_model, "available", lambda: None)
+    assert served_runner(settings) == "ggml"
+    assert served_runner(settings.with_overrides(dtype="float32")) == "auto"
+    assert served_runner(settings.with_overrides(**{"verifier.exact": True})) == "auto"
+    assert served_runner(settings.with_overrides(model="qwen2.5-coder-1.5b")) == "auto"
+    amx_only = dataclasses.replace(models.REGISTRY["smollm2-135m"], auto_runner="ggml-amx")
+    monkeypatch.setitem(models.REGISTRY, "smollm2-135m", amx_only)
     for amx, runner in ((True, "ggml"), (False, "auto")):
         monkeypatch.setattr(ggml_model, "amx_kernels", lambda amx=amx: amx)
         assert served_runner(settings) == runner
-        assert served_runner(settings.with_overrides(model="qwen2.5-coder-1.5b")) == "auto"

