@@ -2,8 +2,8 @@
 llama-cpp-python's PyPI sdist, and driven through llama-server's HTTP API.
 
   build()        pip download the sdist, apply deploy/patch-llama-cpp.sh (the kernels and AMX fix
-                 the served backend gets too), cmake the tools (-DGGML_NATIVE=ON, no curl, no web UI) into
-                 <cache>/llama.cpp-<version>/; a stamp file makes later runs skip it
+                 the served backend gets too), cmake the tools (-DGGML_NATIVE=ON, no curl, no
+                 web UI) into <cache>/llama.cpp-<version>/; a stamp file makes later runs skip it
   LlamaServer    llama-server on a free port; `run(prompts, c)` sends token-id prompts to
                  /completion with c in flight and returns the tokens and wall times
 """
@@ -27,7 +27,7 @@ TARGETS = ("llama-server", "llama-bench", "llama-batched-bench", "llama-speculat
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON",
                "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_UI=OFF",
                "-DLLAMA_USE_PREBUILT_UI=OFF")  # the UI would be fetched from the hub
-STAMP = "specmesh-built-3.json"  # -3: sources patched as the served backend's are (tiled Q4_1)
+STAMP = "specmesh-built-3.json"  # -3: sources patched as the served backend's are (tiled Q4_1, Q6_K)
 PATCH = Path(__file__).resolve().parents[1] / "deploy" / "patch-llama-cpp.sh"
 
 
