@@ -129,9 +129,12 @@ class Probe:
     def on_start(self, mesh) -> None:
         """Called by run_mesh after the warm-up: forget it, time the attention from here on."""
         target = mesh.worker.engine.target
-        self.attention = TimedAttention(target.backend)
-        target.backend = self.attention
-        self.runner = "lean" if getattr(target, "lean", None) is not None else "transformers"
+        if hasattr(target, "backend"):  # the torch target; llama.cpp's attention is in its decode
+            self.attention = TimedAttention(target.backend)
+            target.backend = self.attention
+            self.runner = "lean" if getattr(target, "lean", None) is not None else "transformers"
+        else:
+            self.runner = "ggml"
         self.spans.clear()
         self.compute.jobs.clear()
         self.start_ns = time.time_ns()
@@ -396,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_options(parser)
-    parser.add_argument("--target-runner", choices=["lean", "transformers"],
+    parser.add_argument("--target-runner", choices=["lean", "transformers", "ggml"],
                         help="the target's forward (Settings.target_runner, where this version "
                              "has it) [the serving default]")
     args = parser.parse_args(argv)

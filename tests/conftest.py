@@ -144,3 +144,14 @@ def small_datastore(base_settings, tokenizer, tmp_path_factory):
                             tokenizer=tokenizer)
             (folder / "path").write_text(str(path))
         return Path((folder / "path").read_text())
+
+
+@pytest.fixture(scope="session")
+def gguf():
+    """The default model's GGUF file, for llama.cpp's backend (skipped where
+    llama-cpp-python is not installed)."""
+    from specmesh_services.verifier.ggml_model import available
+
+    if (why := available()) is not None:
+        pytest.skip(why)
+    return models.gguf_inputs(models.REGISTRY["smollm2-135m"])[0]

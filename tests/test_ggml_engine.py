@@ -16,12 +16,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specmesh_services.common import models
 from specmesh.v1 import pool_pb2
 from specmesh_services.common.sampling import SamplingParams
 from specmesh_services.verifier.engine import EngineLimits, VerifierEngine
 from specmesh_services.verifier.ggml_engine import GgmlEngine, GgmlLM
-from specmesh_services.verifier.ggml_model import GgmlModel, available
+from specmesh_services.verifier.ggml_model import GgmlModel
 
 from test_batch_verify import draft_tree, state  # tests/ is on the path
 
@@ -29,13 +28,6 @@ TOKENS = 24
 PROMPTS = 4
 TIE = 0.5  # logit margin within which one-row and many-row calls may rank two tokens apart
 NEAR = 8  # tokens of each plain step kept as possible near-ties
-
-
-@pytest.fixture(scope="module")
-def gguf():
-    if (why := available()) is not None:
-        pytest.skip(why)
-    return models.gguf_inputs(models.REGISTRY["smollm2-135m"])[0]
 
 
 @pytest.fixture(scope="module")

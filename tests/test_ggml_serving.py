@@ -33,13 +33,16 @@ def reference(chat_prompt_ids):
     return plain_decoding(gguf, {i: chat_prompt_ids(i) for i in range(QUESTIONS)}, MAX_TOKENS)
 
 
-def serve(settings, questions, compute, engines: list | None = None):
+def serve(settings, questions, compute, engines: list | None = None,
+          meshes: list | None = None):
     """The questions' responses from an embedded mesh of `settings` (its verifier engine
-    appended to `engines` where given)."""
+    appended to `engines`, the mesh to `meshes`, where given)."""
     async def run():
         async with EmbeddedMesh.start(settings, compute) as mesh:
             if engines is not None:
                 engines.append(mesh.worker.engine)
+            if meshes is not None:
+                meshes.append(mesh)
             return await asyncio.gather(*(
                 mesh.generate(messages=[{"role": "user", "content": q["turns"][0]}],
                               max_tokens=MAX_TOKENS) for q in questions))
@@ -63,6 +66,26 @@ def test_served_on_llama_cpp_gives_its_own_greedy_decoding(base_settings, questi
         assert drafted > 0 and accepted > 0.3 * drafted, (accepted, drafted)
     else:
         assert drafted == 0
+
+
+def test_a_draft_model_with_a_gguf_drafts_on_llama_cpp(base_settings, questions, compute,
+                                                      reference):
+    """`draft_runner=ggml` runs a draft model that has a GGUF file on llama.cpp beside the
+    llama.cpp target (here the target's own file: every drafted token is the target's guess):
+    the outputs are still the plain decoding up to a near-tie, and nearly every drafted token
+    is accepted."""
+    from specmesh_services.drafter.ggml_lm import GgmlDraftLM
+
+    settings = base_settings.with_overrides(
+        target_runner="ggml", draft_runner="ggml", drafters=["smollm2-135m"],
+        **{"speculation.depth": 4, "speculation.width": 1, "speculation.source": "model"})
+    meshes = []
+    responses = serve(settings, questions[:QUESTIONS], compute, meshes=meshes)
+    assert isinstance(meshes[0].drafter.default.lm, GgmlDraftLM)
+    assert_plain_or_tie({i: list(r.token_ids) for i, r in enumerate(responses)}, reference)
+    drafted = sum(r.stats.draft_tokens for r in responses)
+    accepted = sum(r.stats.accepted_tokens for r in responses)
+    assert drafted > 0 and accepted > 0.8 * drafted, (accepted, drafted)
 
 
 def test_a_kv_budget_smaller_than_the_requests_still_serves_them(base_settings, questions,
@@ -129,7 +152,7 @@ def test_auto_serves_the_default_model_on_llama_cpp(monkeypatch, tmp_path):
     (ggml): auto picks them on the CPU wherever llama-cpp-python imports, and keeps the torch
     target where it does not, on a GPU and where the torch target is asked for (float32,
     --exact); an entry with ggml-amx takes them only where the AMX kernels run; the Qwen
-    targets keep the torch target."""
+    1.5B's entry says ggml too, the 0.5B's keeps the torch target."""
     settings = Settings(cache_dir=tmp_path)
     monkeypatch.setattr(ggml_model, "available", lambda: "llama-cpp-python is not installed")
     assert served_runner(settings) == "auto"
@@ -137,7 +160,8 @@ def test_auto_serves_the_default_model_on_llama_cpp(monkeypatch, tmp_path):
     assert served_runner(settings) == "ggml"
     assert served_runner(settings.with_overrides(dtype="float32")) == "auto"
     assert served_runner(settings.with_overrides(**{"verifier.exact": True})) == "auto"
-    assert served_runner(settings.with_overrides(model="qwen2.5-coder-1.5b")) == "auto"
+    assert served_runner(settings.with_overrides(model="qwen2.5-coder-1.5b")) == "ggml"
+    assert served_runner(settings.with_overrides(model="qwen2.5-coder-0.5b")) == "auto"
     amx_only = dataclasses.replace(models.REGISTRY["smollm2-135m"], auto_runner="ggml-amx")
     monkeypatch.setitem(models.REGISTRY, "smollm2-135m", amx_only)
     for amx, runner in ((True, "ggml"), (False, "auto")):

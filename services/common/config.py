@@ -274,11 +274,14 @@ class Settings(BaseSettings):
     draft_vocab: int = Field(0, ge=0, description="draft models' LM heads over the N most "
                              "frequent tokens of the datastore's corpus (FR-Spec: a cheaper "
                              "drafting forward, the output unchanged); 0 = the whole vocabulary")
-    draft_runner: Literal["auto", "lean", "transformers"] = Field(
+    draft_runner: Literal["auto", "lean", "transformers", "ggml"] = Field(
         "auto", description="draft models' forward: lean = specmesh's decoder loop for Llama / "
                             "Qwen2 drafts (fused products, preallocated KV rows, logits over the "
                             "draft vocabulary only: services/drafter/lean.py); transformers = the "
-                            "model's own forward; auto = lean where the architecture allows")
+                            "model's own forward; ggml = llama.cpp's kernels on the draft's GGUF "
+                            "file (draft models, not layers:N; CPU only; "
+                            "services/drafter/ggml_lm.py); auto = lean where the architecture "
+                            "allows")
     target_runner: Literal["auto", "lean", "transformers", "ggml"] = Field(
         "auto", description="the target's forward: lean = specmesh's decoder loop for Llama / "
                             "Qwen2 targets over the paged KV store (fused products, no "
@@ -287,8 +290,9 @@ class Settings(BaseSettings):
                             "llama.cpp's kernels on the model's GGUF file as it is stored "
                             "(CPU only; needs llama-cpp-python: `pip install 'specmesh[ggml]'`; "
                             "no draft heads or early pruning; docs/decisions/ggml-target.md); "
-                            "auto = ggml on the CPU for a GGUF file and the default model "
-                            "(SmolLM2) where llama-cpp-python is installed, the dtype is auto and "
+                            "auto = ggml on the CPU for a GGUF file, SmolLM2 and "
+                            "Qwen2.5-Coder-1.5B where llama-cpp-python is installed, the dtype is "
+                            "auto and "
                             "nothing needs the torch target, else lean where the architecture "
                             "allows")
     cores: Literal["auto", "shared", "split"] = Field(

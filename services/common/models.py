@@ -91,7 +91,10 @@ REGISTRY: dict[str, ModelSource] = {
                     # (docs/decisions/draft-quantization.md)
                     default_draft="qwen2.5-coder-0.5b@auto", chat_family="qwen2.5",
                     # the draft's chains verify at bf16's row-flat cost; int4's grows per row
-                    auto_weights="float"),
+                    auto_weights="float",
+                    # llama.cpp's Q4_K_M step: 2.4x the torch target's plain decoding at batch
+                    # 1, 1.2x at 8 (docs/decisions/ggml-target.md)
+                    auto_runner="ggml"),
     )
 }
 

@@ -6,7 +6,8 @@ dynamically quantized activations), `@int4` (4-bit groups of 32, torch's CPU int
 `@auto` (int4 on AVX512, int8 elsewhere: docs/decisions/draft-quantization.md); float32 around
 the quantized products (kernels/linear_rules.py). The spec, suffix included, is the draft's name (a
 router arm): one model with and without `@int4` is two drafters of different cost. Llama /
-Qwen2 drafts run through the lean decoder loop (lean.py, `draft_runner`).
+Qwen2 drafts run through the lean decoder loop (lean.py, `draft_runner`); a draft model with a
+GGUF file runs on llama.cpp's kernels with `draft_runner` ggml (ggml_lm.py).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from specmesh_services.common.device import resolve_device
 from specmesh_services.common.drafts import model_specs
 from specmesh_services.common.lm import CausalLM
 from specmesh_services.drafter.engine import DraftModel
+from specmesh_services.drafter.ggml_lm import GgmlDraftLM
 from specmesh_services.drafter.lean import LeanLM
 from specmesh_services.drafter.lean import supports as lean_supports
 from specmesh_services.drafter.vocab import frequent_tokens, restrict_vocab, token_counts
@@ -101,10 +103,44 @@ def load_draft(spec: DraftSpec, settings: Settings, target_path,
     return model
 
 
+def ggml_draft(spec: DraftSpec, settings: Settings) -> bool:
+    """Whether the draft runs on llama.cpp's kernels: `draft_runner` ggml, refused with the
+    reason for what llama.cpp cannot run (a layers:N draft, a torch quantization asked, no
+    GGUF file, no CUDA kernels here, llama-cpp-python missing). `auto` keeps the torch draft:
+    beside a llama.cpp target the 0.5B drafted at the same cost a level and prefilled at 1.8x
+    the cost (docs/decisions/ggml-target.md)."""
+    from specmesh_services.verifier.ggml_model import available
+
+    if settings.draft_runner != "ggml":
+        return False
+    reason = None
+    if spec.layers is not None:
+        reason = "layers:N drafts are cut from the torch target; llama.cpp loads whole files"
+    elif spec.weights not in (None, "auto"):
+        reason = f"@{spec.weights} is a torch quantization; llama.cpp runs the GGUF's own weights"
+    elif resolve_device(settings.device).type != "cpu":
+        reason = "llama.cpp's kernels here are CPU ones"
+    elif (missing := available()) is not None:
+        reason = missing
+    else:
+        try:
+            models.gguf_file(spec.base, settings.cache_dir)
+        except models.ModelNotFound as err:
+            reason = str(err)
+    if reason is not None:
+        raise ValueError(f"draft_runner=ggml cannot run the draft '{spec.base}': {reason}")
+    return True
+
+
 def load_draft_lm(spec: DraftSpec, settings: Settings, target_path, label: str,
-                  keep: torch.Tensor | None = None) -> CausalLM | LeanLM:
-    """The draft's forward: `LeanLM` where `settings.draft_runner` and the architecture allow
-    it (lean.py), else transformers' (`CausalLM`)."""
+                  keep: torch.Tensor | None = None) -> CausalLM | LeanLM | GgmlDraftLM:
+    """The draft's forward: llama.cpp's on its GGUF file where `ggml_draft` says so, else
+    `LeanLM` where `settings.draft_runner` and the architecture allow it (lean.py), else
+    transformers' (`CausalLM`)."""
+    if ggml_draft(spec, settings):
+        return GgmlDraftLM(models.gguf_file(spec.base, settings.cache_dir), label,
+                           n_ctx=settings.verifier.kv_budget_tokens,
+                           n_batch=settings.verifier.max_batch_tokens, token_ids=keep)
     model = load_draft(spec, settings, target_path, keep, convert=False)
     reason = lean_supports(model)
     if settings.draft_runner == "lean" and reason is not None:
@@ -154,8 +190,10 @@ def build_draft_models(settings: Settings) -> list[DraftModel]:
         lm = load_draft_lm(spec, settings, target_path, label, keep)
         out.append(DraftModel(lm, label, "truncated" if spec.layers is not None else "model"))
         out[-1].measure()
+        ggml = isinstance(lm, GgmlDraftLM)
         log.info("draft model %s: %d layers, %s, %s forward, %.1f ms per drafting forward",
-                 out[-1].name, lm.num_layers, spec.quantized(lm.device) or lm.dtype,
-                 "lean" if isinstance(lm, LeanLM) else "transformers",
+                 out[-1].name, lm.num_layers,
+                 "its GGUF weights" if ggml else spec.quantized(lm.device) or lm.dtype,
+                 "llama.cpp" if ggml else "lean" if isinstance(lm, LeanLM) else "transformers",
                  1e3 * out[-1].level_seconds)
     return out
