@@ -150,7 +150,7 @@ def small_datastore(base_settings, tokenizer, tmp_path_factory):
 def gguf():
     """The default model's GGUF file, for llama.cpp's backend (skipped where
     llama-cpp-python is not installed)."""
-    from specmesh_services.verifier.ggml_model import available
+    from specmesh_services.common.ggml_model import available
 
     if (why := available()) is not None:
         pytest.skip(why)

@@ -1,8 +1,8 @@
 """Draft models on llama.cpp's kernels (services/drafter/ggml_lm.py), on the default model's GGUF
 as its own draft: drafted chains are the model's greedy decoding, after rollbacks too; each node
 of a wide tree gets the logits of its path decoded alone; requests drafted together draft what
-they draft alone; released requests give their sequences back; `draft_runner=ggml` refuses what llama.cpp
-cannot run. Skipped where llama-cpp-python is not installed."""
+they draft alone; released requests give their sequences back; `draft_runner=ggml` refuses what
+llama.cpp cannot run. Skipped where llama-cpp-python is not installed."""
 from __future__ import annotations
 
 import numpy as np
@@ -14,7 +14,7 @@ from specmesh_services.common.lm import Part
 from specmesh_services.drafter.engine import DraftModel
 from specmesh_services.drafter.ggml_lm import GgmlDraftLM
 from specmesh_services.drafter.models import DraftSpec, ggml_draft
-from specmesh_services.verifier.ggml_model import GgmlModel
+from specmesh_services.common.ggml_model import GgmlModel
 
 TOLERANCE = 1e-3  # max |difference| / max |logit| of a row (as tests/test_ggml_tree.py)
 # after a rollback a new row may land in a freed cell before the kept ones, and the attention

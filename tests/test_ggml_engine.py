@@ -20,7 +20,7 @@ from specmesh.v1 import pool_pb2
 from specmesh_services.common.sampling import SamplingParams
 from specmesh_services.verifier.engine import EngineLimits, VerifierEngine
 from specmesh_services.verifier.ggml_engine import GgmlEngine, GgmlLM
-from specmesh_services.verifier.ggml_model import GgmlModel
+from specmesh_services.common.ggml_model import GgmlModel
 
 from test_batch_verify import draft_tree, state  # tests/ is on the path
 

@@ -15,8 +15,8 @@ from specmesh_services.common import models
 from specmesh_services.common.device import check
 from specmesh_services.common.config import Settings, SettingsError
 from specmesh_services.launch.embedded import EmbeddedMesh
-from specmesh_services.verifier import ggml_model
-from specmesh_services.verifier.ggml_model import available
+from specmesh_services.common import ggml_model
+from specmesh_services.common.ggml_model import available
 from specmesh_services.verifier.server import served_runner
 
 from test_ggml_engine import assert_plain_or_tie, plain_decoding  # tests/ is on the path

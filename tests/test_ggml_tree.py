@@ -12,8 +12,8 @@ import pytest
 
 from specmesh_services.common import models
 from specmesh_services.verifier.ggml_batch import tree_rows
-from specmesh_services.verifier import ggml_model
-from specmesh_services.verifier.ggml_model import GgmlModel, available
+from specmesh_services.common import ggml_model
+from specmesh_services.common.ggml_model import GgmlModel, available
 
 # a row's logits may depend on the rows batched with it where ggml picks other kernels for
 # other batch shapes; measured on SmolLM2 Q4_1 (Sapphire Rapids, plain CPU kernels): identical

@@ -46,7 +46,7 @@ def check(settings) -> torch.device:
         if device.type == "cuda":
             raise SettingsError("target_runner=ggml runs llama.cpp's CPU kernels: use --device "
                                 "cpu with it (or the torch target on the GPU)")
-        from specmesh_services.verifier.ggml_model import available
+        from specmesh_services.common.ggml_model import available
 
         if (why := available()) is not None:
             raise SettingsError(f"target_runner=ggml: {why}")

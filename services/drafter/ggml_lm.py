@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from specmesh_services.common.lm import Part
-from specmesh_services.verifier.ggml_model import GgmlModel
+from specmesh_services.common.ggml_model import GgmlModel
 
 __all__ = ["GgmlDraftCache", "GgmlDraftLM"]
 

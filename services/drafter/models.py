@@ -109,7 +109,7 @@ def ggml_draft(spec: DraftSpec, settings: Settings) -> bool:
     GGUF file, no CUDA kernels here, llama-cpp-python missing). `auto` keeps the torch draft:
     beside a llama.cpp target the 0.5B drafted at the same cost a level and prefilled at 1.8x
     the cost (docs/decisions/ggml-target.md)."""
-    from specmesh_services.verifier.ggml_model import available
+    from specmesh_services.common.ggml_model import available
 
     if settings.draft_runner != "ggml":
         return False

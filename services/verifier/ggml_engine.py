@@ -1,9 +1,9 @@
-"""The verifier engine over llama.cpp (ggml_model.py): the same planning, continuous batching,
-walk and results as `VerifierEngine`, with the KV cache kept by llama.cpp and edited by sequence
-operations. Each request holds one sequence; a step's trees get leaf sequences (ggml_batch.py)
-and are decoded with every request's rows and prefill chunks in one `llama_decode`. Served as
-`target_runner=ggml`; its decode cost grows with the rows faster than the torch target's
-(docs/decisions/ggml-target.md).
+"""The verifier engine over llama.cpp (common/ggml_model.py): the same planning, continuous
+batching, walk and results as `VerifierEngine`, with the KV cache kept by llama.cpp and edited
+by sequence operations. Each request holds one sequence; a step's trees get leaf sequences
+(ggml_batch.py) and are decoded with every request's rows and prefill chunks in one
+`llama_decode`. Served as `target_runner=ggml`; its decode cost grows with the rows faster than
+the torch target's (docs/decisions/ggml-target.md).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 
 from specmesh_services.verifier.engine import EngineLimits, StepStats, VerifierEngine
 from specmesh_services.verifier.ggml_batch import TreeRows, tree_rows
-from specmesh_services.verifier.ggml_model import GgmlModel
+from specmesh_services.common.ggml_model import GgmlModel
 from specmesh_services.verifier.packed import Segment
 
 __all__ = ["GgmlEngine", "GgmlLM", "load_target"]

@@ -57,7 +57,7 @@ def served_runner(settings: Settings) -> str:
     a known model whose registry entry measured ggml faster here (`auto_runner`: everywhere, or
     where llama.cpp's AMX kernels run; docs/decisions/ggml-target.md); else as given (auto: the
     lean decoder loop where the architecture allows)."""
-    from specmesh_services.verifier.ggml_model import amx_kernels, available
+    from specmesh_services.common.ggml_model import amx_kernels, available
 
     runner = settings.target_runner
     if runner != "auto" or settings.dtype != "auto" or settings.verifier.exact \
