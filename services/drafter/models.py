@@ -18,7 +18,7 @@ import torch
 
 from specmesh_kernels.linear_rules import draft_weights, pack_linears, quantize_linears
 from specmesh_services.common import datastore_files, models
-from specmesh_services.common.config import Settings
+from specmesh_services.common.config import Settings, SettingsError
 from specmesh_services.common.device import resolve_device
 from specmesh_services.common.drafts import model_specs
 from specmesh_services.common.lm import CausalLM
@@ -128,7 +128,7 @@ def ggml_draft(spec: DraftSpec, settings: Settings) -> bool:
         except models.ModelNotFound as err:
             reason = str(err)
     if reason is not None:
-        raise ValueError(f"draft_runner=ggml cannot run the draft '{spec.base}': {reason}")
+        raise SettingsError(f"draft_runner=ggml cannot run the draft '{spec.base}': {reason}")
     return True
 
 
