@@ -39,10 +39,11 @@ class GgmlDraftCache:
         return len(self.rows)
 
     def committed(self) -> int:
-        """Rows held by the request's sequence (the first rows, positions 0 .. n - 1)."""
-        n = 0
-        while n < len(self.rows) and self.rows[n][1] is None:
-            n += 1
+        """Rows held by the request's sequence (the first rows, positions 0 .. n - 1): counted
+        back over the tree rows after them, not over the whole context, on every level."""
+        n = len(self.rows)
+        while n and self.rows[n - 1][1] is not None:
+            n -= 1
         return n
 
     def path(self, row: int) -> set[int]:
