@@ -2,27 +2,29 @@
 model's GGUF: trees drafted by the draft model (the target's full depth, so most of each tree
 is accepted) and plain decoding, 4 requests in flight, every output is llama.cpp's own plain
 greedy decoding of the same file or leaves it only at a near-tie (test_ggml_engine.py says
-why). A GGUF file given as the model is served by it. Settings that the backend cannot serve
-are refused with a message. Skipped where llama-cpp-python is not installed."""
+why). A GGUF file given as the model is served by it; draft heads draft from its hidden states.
+Settings that the backend cannot serve are refused with a message. Skipped where llama-cpp-python is not installed."""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 
 import pytest
+import torch
 
 from specmesh_services.common import models
 from specmesh_services.common.device import check
 from specmesh_services.common.config import Settings, SettingsError
 from specmesh_services.launch.embedded import EmbeddedMesh
 from specmesh_services.common import ggml_model
-from specmesh_services.common.ggml_model import available
+from specmesh_services.common.ggml_model import GgmlModel, available
 from specmesh_services.verifier.server import served_runner
 
 from test_ggml_engine import assert_plain_or_tie, plain_decoding  # tests/ is on the path
 
 QUESTIONS = 4
 MAX_TOKENS = 32
+COSINE = 0.98  # llama.cpp's hidden states against the float32 forward, each prompt row
 
 
 @pytest.fixture(scope="module")
@@ -120,15 +122,53 @@ def test_a_gguf_file_is_a_model_served_by_llama_cpp(questions, compute, referenc
     assert (tmp_path / "models").is_dir()  # the tokenizer's directory, converted once
 
 
+def test_draft_heads_draft_from_llama_cpp_hidden_states(base_settings, questions, compute,
+                                                        reference, hf_target, chat_prompt_ids,
+                                                        gguf):
+    """llama.cpp's per-token embeddings are the final hidden states the heads read: close to
+    the torch target's `last_hidden_state` (Q4_1 weights against their float32 dequantization),
+    the logits beside them unchanged; served with the llama.cpp target, the heads' trees are
+    drafted and accepted, every output plain decoding or a near-tie."""
+    prompt = chat_prompt_ids(0)
+    n = len(prompt)
+    rows = (prompt, list(range(n)), [[0]] * n, [True] * n)
+    with_states = GgmlModel(gguf, n_ctx=512, n_batch=512, n_seq_max=1, threads=2,
+                            embeddings=True)
+    logits = with_states.decode(*rows)
+    hidden = torch.from_numpy(with_states.hidden)
+    with_states.seq_remove(0)  # the last row alone asked for: its logits and state, the same
+    last = with_states.decode(*rows[:3], [False] * (n - 1) + [True])
+    assert (last == logits[-1:]).all() and (with_states.hidden == hidden[-1:].numpy()).all()
+    with_states.close()
+    plain = GgmlModel(gguf, n_ctx=512, n_batch=512, n_seq_max=1, threads=2)
+    assert (plain.decode(*rows) == logits).all() and plain.hidden is None
+    plain.close()
+    with torch.inference_mode():
+        want = hf_target.model(input_ids=torch.tensor([prompt])).last_hidden_state[0]
+    assert hidden.shape == want.shape
+    assert torch.nn.functional.cosine_similarity(hidden, want, dim=-1).min() > COSINE
+
+    settings = base_settings.with_overrides(target_runner="ggml", drafters=["heads"],
+                                            **{"speculation.max_nodes": 8})
+    engines = []
+    responses = serve(settings, questions[:QUESTIONS], compute, engines)
+    assert engines[0].heads is not None
+    assert_plain_or_tie({i: list(r.token_ids) for i, r in enumerate(responses)}, reference)
+    drafted = sum(r.stats.draft_tokens for r in responses)
+    accepted = sum(r.stats.accepted_tokens for r in responses)
+    steps = sum(r.stats.steps for r in responses)
+    assert drafted > 0 and accepted > 0.2 * steps, (drafted, accepted, steps)
+
+
 def test_what_llama_cpp_cannot_serve_is_refused(base_settings, monkeypatch):
     ggml = base_settings.with_overrides(target_runner="ggml")
     monkeypatch.setattr(ggml_model, "available", lambda: None)  # as where it is installed
     assert check(ggml).type == "cpu"
     with pytest.raises(SettingsError, match="verifier.exact needs the torch target"):
         check(ggml.with_overrides(**{"verifier.exact": True}))
-    for other in ({"verifier.prune": "on"}, {"drafters": ["heads"]}):
-        with pytest.raises(SettingsError, match="serves no draft heads and no early pruning"):
-            check(ggml.with_overrides(**other))
+    with pytest.raises(SettingsError, match="target_runner=ggml runs no early pruning"):
+        check(ggml.with_overrides(**{"verifier.prune": "on"}))
+    assert check(ggml.with_overrides(drafters=["heads"])).type == "cpu"  # heads: served
     with pytest.raises(models.ModelNotFound, match="has no GGUF file"):
         models.gguf_file("/nonexistent/model-dir", ggml.cache_dir)
     monkeypatch.setattr(ggml_model, "available", lambda: "llama-cpp-python is not installed")

@@ -289,7 +289,7 @@ class Settings(BaseSettings):
                             "model's own forward with specmesh's attention function; ggml = "
                             "llama.cpp's kernels on the model's GGUF file as it is stored "
                             "(CPU only; needs llama-cpp-python: `pip install 'specmesh[ggml]'`; "
-                            "no draft heads or early pruning; docs/decisions/ggml-target.md); "
+                            "no early pruning; docs/decisions/ggml-target.md); "
                             "auto = ggml on the CPU for a GGUF file, SmolLM2 and "
                             "Qwen2.5-Coder-1.5B where llama-cpp-python is installed, the dtype is "
                             "auto and "

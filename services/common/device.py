@@ -38,7 +38,7 @@ def check(settings) -> torch.device:
     """The device `settings` serve on, refusing what it cannot serve on CUDA: `verifier.exact`
     (row-independent linears), early pruning, the CPU linear kernels, native 4-bit weights;
     the llama.cpp target (`target_runner=ggml`) serves on the CPU (auto: there), with
-    llama-cpp-python installed, without draft heads, early pruning or `verifier.exact`."""
+    llama-cpp-python installed, without early pruning or `verifier.exact`."""
     device = resolve_device(settings.device)
     if settings.target_runner == "ggml":
         if settings.device == "auto":
@@ -50,12 +50,10 @@ def check(settings) -> torch.device:
 
         if (why := available()) is not None:
             raise SettingsError(f"target_runner=ggml: {why}")
-        from specmesh_services.common.drafts import serves_heads
-
-        if serves_heads(settings) or settings.verifier.prune != "off":
-            raise SettingsError("target_runner=ggml serves no draft heads and no early pruning "
-                                "(they read the torch target's hidden states): use another "
-                                "speculation source or target_runner")
+        if settings.verifier.prune != "off":
+            raise SettingsError("target_runner=ggml runs no early pruning (it reads the torch "
+                                "target's hidden states mid-forward): use verifier.prune=off "
+                                "or another target_runner")
         if settings.verifier.exact:
             raise SettingsError("verifier.exact needs the torch target: llama.cpp computes a "
                                 "row differently with other rows beside it "

@@ -1,6 +1,7 @@
 """A GGUF model run by llama.cpp's kernels (llama-cpp-python's low-level API): decode batches
 whose rows carry sequence-id sets (trees: ggml_batch.py), logits of the rows asked for, and the
-KV cache edited by sequence operations (copy, remove) for commit and rollback.
+KV cache edited by sequence operations (copy, remove) for commit and rollback; with
+`embeddings`, the final (normalized) hidden states of those rows too, which draft heads read.
 
 One context, one unified KV buffer shared by every sequence (`kv_unified`: a row may belong to
 several sequences, as a tree's shared prefix does).
@@ -32,10 +33,12 @@ def available() -> str | None:
 
 class GgmlModel:
     """`path`'s model in one llama.cpp context of `n_ctx` cells for all sequences together,
-    batches of up to `n_batch` rows, sequence ids 0 .. n_seq_max - 1."""
+    batches of up to `n_batch` rows, sequence ids 0 .. n_seq_max - 1. With `embeddings`, each
+    decode also leaves the output rows' final hidden states in `hidden` (llama.cpp's per-token
+    embeddings, after the output norm: what the torch target's `last_hidden_state` is)."""
 
     def __init__(self, path: Path, n_ctx: int = 4096, n_batch: int = 512, n_seq_max: int = 64,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, embeddings: bool = False) -> None:
         import llama_cpp as lc
 
         self._lc = lc
@@ -53,12 +56,18 @@ class GgmlModel:
         ctx_params.n_seq_max, ctx_params.kv_unified = n_seq_max, True
         ctx_params.n_threads = ctx_params.n_threads_batch = threads
         ctx_params.no_perf = True
+        if embeddings:  # per-token hidden states beside the logits (`_decode` turns them on)
+            ctx_params.pooling_type = lc.LLAMA_POOLING_TYPE_NONE
         self.ctx = lc.llama_init_from_model(self.model, ctx_params)
         if not self.ctx:
             lc.llama_model_free(self.model)
             raise ValueError(f"llama.cpp cannot make a context of {n_ctx} cells for {path}")
         self.memory = lc.llama_get_memory(self.ctx)
         self.vocab_size = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
+        self.hidden_size = lc.llama_model_n_embd(self.model)
+        self.embeddings, self._states = embeddings, False
+        self._part_hidden = np.empty((0, self.hidden_size), dtype=np.float32)
+        self.hidden: np.ndarray | None = None  # the last decode's, [rows with outputs, hidden]
         self.context_length = lc.llama_model_n_ctx_train(self.model)
         self.path, self.threads = Path(path), threads
         self.n_batch, self.n_seq_max = n_batch, n_seq_max
@@ -79,13 +88,19 @@ class GgmlModel:
                seq_ids: Sequence[Sequence[int]], outputs: Sequence[bool]) -> np.ndarray:
         """`llama_decode` of these rows, `n_batch` rows a call (a row's ancestors always come
         before it, so a later call sees the cells of an earlier one); the logits [rows with
-        outputs, vocab] (float32)."""
+        outputs, vocab] (float32); with `embeddings`, their hidden states in `hidden`."""
         n = len(tokens)
         if n == 0:
             raise ValueError("a decode takes at least one row")
-        parts = [self._decode(tokens[i:i + self.n_batch], positions[i:i + self.n_batch],
-                              seq_ids[i:i + self.n_batch], outputs[i:i + self.n_batch])
-                 for i in range(0, n, self.n_batch)]
+        parts, states = [], []
+        for i in range(0, n, self.n_batch):
+            parts.append(self._decode(tokens[i:i + self.n_batch], positions[i:i + self.n_batch],
+                                      seq_ids[i:i + self.n_batch], outputs[i:i + self.n_batch]))
+            if self.embeddings:
+                states.append(self._part_hidden if len(parts[-1]) else
+                              np.empty((0, self.hidden_size), dtype=np.float32))
+        if self.embeddings:
+            self.hidden = states[0] if len(states) == 1 else np.concatenate(states)
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def _decode(self, tokens: Sequence[int], positions: Sequence[int],
@@ -98,15 +113,29 @@ class GgmlModel:
                 batch.seq_id[i][j] = s
             batch.logits[i] = bool(outputs[i])
         batch.n_tokens = n
+        wanted = sum(bool(o) for o in outputs)
+        # with hidden states llama.cpp outputs every row of the call: on only where one is asked
+        states = self.embeddings and wanted > 0
+        if states != self._states:
+            self._lc.llama_set_embeddings(self.ctx, states)
+            self._states = states
         code = self._lc.llama_decode(self.ctx, batch)
         if code != 0:
             raise RuntimeError(f"llama_decode failed ({code}) on a batch of {n} rows")
-        wanted = sum(bool(o) for o in outputs)
         if not wanted:
             return np.empty((0, self.vocab_size), dtype=np.float32)
-        out = np.empty((wanted, self.vocab_size), dtype=np.float32)
+        rows = n if states else wanted
+        out = np.empty((rows, self.vocab_size), dtype=np.float32)
         # a plain memmove: np.ctypeslib.as_array took 0.8 ms a call in the serving process
         ctypes.memmove(out.ctypes.data, self._lc.llama_get_logits(self.ctx), out.nbytes)
+        if states:
+            hidden = np.empty((n, self.hidden_size), dtype=np.float32)
+            ctypes.memmove(hidden.ctypes.data, self._lc.llama_get_embeddings(self.ctx),
+                           hidden.nbytes)
+            if wanted < n:
+                keep = np.flatnonzero(np.asarray(outputs, dtype=bool)[:n])
+                out, hidden = out[keep], hidden[keep]
+            self._part_hidden = hidden
         return out
 
     # the KV cache, by sequence ----------------------------------------------------------------

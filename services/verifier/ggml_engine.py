@@ -130,7 +130,7 @@ class GgmlTarget:
 
     def __init__(self, model: GgmlModel, store: GgmlStore) -> None:
         self.model, self.store = model, store
-        self.hidden: list | None = None  # final hidden states: not from this backend yet
+        self.hidden: list | None = None  # final hidden states of the logits' rows (heads)
         self.survivors: list = []
 
     def forward(self, segments: list[Segment]) -> list[torch.Tensor]:
@@ -152,7 +152,10 @@ class GgmlTarget:
                      for i, (t, p, q) in enumerate(zip(tokens, positions, seq_ids))]
         logits = torch.from_numpy(self.model.decode(*map(list, zip(*rows))))
         self.survivors = [None] * len(segments)
-        return list(logits.split([s.num_rows - s.logits_from for s in segments]))
+        sizes = [s.num_rows - s.logits_from for s in segments]
+        if self.model.embeddings:
+            self.hidden = list(torch.from_numpy(self.model.hidden).split(sizes))
+        return list(logits.split(sizes))
 
 
 def _segment_parents(s: Segment) -> list[int]:
@@ -210,12 +213,15 @@ def load_target(settings) -> GgmlLM:
     """The target of `settings` on llama.cpp: its GGUF file (models.gguf_file) in one context of
     `verifier.kv_budget_tokens` cells, batches of `verifier.max_batch_tokens` rows (at most the
     cells), the calling thread's cores (the verifier's placement). What it cannot serve is
-    refused before, by `device.check`."""
+    refused before, by `device.check`. Draft heads served: its decodes return the rows' final
+    hidden states too."""
     from specmesh_services.common import models
+    from specmesh_services.common.drafts import serves_heads
 
     path = models.gguf_file(settings.model, settings.cache_dir)
     v = settings.verifier
     model = GgmlModel(path, n_ctx=v.kv_budget_tokens,
                       n_batch=min(v.max_batch_tokens, v.kv_budget_tokens),
-                      n_seq_max=MAX_SEQUENCES, threads=len(os.sched_getaffinity(0)))
+                      n_seq_max=MAX_SEQUENCES, threads=len(os.sched_getaffinity(0)),
+                      embeddings=serves_heads(settings))
     return GgmlLM(model, settings.model, model.context_length)

@@ -53,7 +53,7 @@ def served_weights(settings: Settings, path) -> str:
 def served_runner(settings: Settings) -> str:
     """`target_runner`, auto resolved to ggml (llama.cpp's kernels on the model's GGUF file)
     where the dtype is left to auto, the device is the CPU, llama-cpp-python imports, nothing
-    needs the torch target (exact, early pruning, draft heads) and the model is a GGUF file or
+    needs the torch target (exact, early pruning) and the model is a GGUF file or
     a known model whose registry entry measured ggml faster here (`auto_runner`: everywhere, or
     where llama.cpp's AMX kernels run; docs/decisions/ggml-target.md); else as given (auto: the
     lean decoder loop where the architecture allows)."""
@@ -61,7 +61,7 @@ def served_runner(settings: Settings) -> str:
 
     runner = settings.target_runner
     if runner != "auto" or settings.dtype != "auto" or settings.verifier.exact \
-            or settings.verifier.prune != "off" or serves_heads(settings):
+            or settings.verifier.prune != "off":
         return runner
     source = models.REGISTRY.get(settings.model)
     if source is None:
@@ -133,18 +133,22 @@ def build_engine(target: CausalLM | LeanDecoder | GgmlLM, settings: Settings,
     if isinstance(target, GgmlLM):  # what it cannot serve was refused by check_device
         log.info("verifier %s on llama.cpp: %d KV cells, batch %d trees / %d rows", name,
                  v.kv_budget_tokens, v.batch_size, v.max_batch_tokens)
-        return ggml_engine.GgmlEngine(target, name, limits)
-    backend = select_attention_backend(target.device, v.attention, v.exact)
-    engine = VerifierEngine(target, name, limits, backend)
+        engine = ggml_engine.GgmlEngine(target, name, limits)
+    else:
+        backend = select_attention_backend(target.device, v.attention, v.exact)
+        engine = VerifierEngine(target, name, limits, backend)
     if serves_heads(settings):
         from specmesh_services.heads.draft import load_for_target
 
-        if not isinstance(target, LeanDecoder):
-            raise ValueError("draft heads need the lean target forward (target_runner=lean): "
-                             "it returns the final hidden states they read")
+        if not isinstance(target, (LeanDecoder, GgmlLM)):
+            raise ValueError("draft heads need the lean target forward or llama.cpp's "
+                             "(target_runner=lean or ggml): they return the final hidden "
+                             "states the heads read")
         engine.heads = load_for_target(settings, heads_spec(settings))
         log.info("draft heads %s: %d heads over %d tokens, %s weights", heads_spec(settings),
                  engine.heads.depth, engine.heads.vocab.numel(), engine.heads.weights)
+    if isinstance(target, GgmlLM):
+        return engine
     if v.prune != "off":
         if not isinstance(target, LeanDecoder):
             raise ValueError("early pruning needs the lean target forward (target_runner=lean)")
