@@ -140,6 +140,13 @@ def test_draft_heads_draft_from_llama_cpp_hidden_states(base_settings, questions
     last = with_states.decode(*rows[:3], [False] * (n - 1) + [True])
     assert (last == logits[-1:]).all() and (with_states.hidden == hidden[-1:].numpy()).all()
     with_states.close()
+    # a prompt over several calls, the first without outputs: the last row's state
+    chunked = GgmlModel(gguf, n_ctx=512, n_batch=16, n_seq_max=1, threads=2, embeddings=True)
+    chunked.decode(*rows[:3], [False] * (n - 1) + [True])
+    state = torch.from_numpy(chunked.hidden)
+    chunked.close()
+    assert state.shape == (1, hidden.shape[1]) and n > 16
+    assert torch.nn.functional.cosine_similarity(state, hidden[-1:]).item() > 0.999
     plain = GgmlModel(gguf, n_ctx=512, n_batch=512, n_seq_max=1, threads=2)
     assert (plain.decode(*rows) == logits).all() and plain.hidden is None
     plain.close()

@@ -66,7 +66,6 @@ class GgmlModel:
         self.vocab_size = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
         self.hidden_size = lc.llama_model_n_embd(self.model)
         self.embeddings, self._states = embeddings, False
-        self._part_hidden = np.empty((0, self.hidden_size), dtype=np.float32)
         self.hidden: np.ndarray | None = None  # the last decode's, [rows with outputs, hidden]
         self.context_length = lc.llama_model_n_ctx_train(self.model)
         self.path, self.threads = Path(path), threads
@@ -92,19 +91,21 @@ class GgmlModel:
         n = len(tokens)
         if n == 0:
             raise ValueError("a decode takes at least one row")
-        parts, states = [], []
-        for i in range(0, n, self.n_batch):
-            parts.append(self._decode(tokens[i:i + self.n_batch], positions[i:i + self.n_batch],
-                                      seq_ids[i:i + self.n_batch], outputs[i:i + self.n_batch]))
-            if self.embeddings:
-                states.append(self._part_hidden if len(parts[-1]) else
-                              np.empty((0, self.hidden_size), dtype=np.float32))
+        parts = [self._decode(tokens[i:i + self.n_batch], positions[i:i + self.n_batch],
+                              seq_ids[i:i + self.n_batch], outputs[i:i + self.n_batch])
+                 for i in range(0, n, self.n_batch)]
+        if len(parts) > 1:
+            parts = [tuple(map(np.concatenate, zip(*parts)))]
+        logits, hidden = parts[0]
         if self.embeddings:
-            self.hidden = states[0] if len(states) == 1 else np.concatenate(states)
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+            self.hidden = hidden
+        return logits
 
     def _decode(self, tokens: Sequence[int], positions: Sequence[int],
-                seq_ids: Sequence[Sequence[int]], outputs: Sequence[bool]) -> np.ndarray:
+                seq_ids: Sequence[Sequence[int]], outputs: Sequence[bool]
+                ) -> tuple[np.ndarray, np.ndarray]:
+        """One `llama_decode`: (logits, hidden states) of the rows with outputs (without
+        `embeddings` the states are [rows, 0])."""
         n, batch = len(tokens), self._batch
         for i in range(n):
             batch.token[i], batch.pos[i] = tokens[i], positions[i]
@@ -122,21 +123,19 @@ class GgmlModel:
         code = self._lc.llama_decode(self.ctx, batch)
         if code != 0:
             raise RuntimeError(f"llama_decode failed ({code}) on a batch of {n} rows")
-        if not wanted:
-            return np.empty((0, self.vocab_size), dtype=np.float32)
-        rows = n if states else wanted
+        rows = n if states else wanted  # llama.cpp's output rows
         out = np.empty((rows, self.vocab_size), dtype=np.float32)
-        # a plain memmove: np.ctypeslib.as_array took 0.8 ms a call in the serving process
-        ctypes.memmove(out.ctypes.data, self._lc.llama_get_logits(self.ctx), out.nbytes)
+        hidden = np.empty((rows, self.hidden_size if self.embeddings else 0), dtype=np.float32)
+        if rows:
+            # a plain memmove: np.ctypeslib.as_array took 0.8 ms a call in the serving process
+            ctypes.memmove(out.ctypes.data, self._lc.llama_get_logits(self.ctx), out.nbytes)
         if states:
-            hidden = np.empty((n, self.hidden_size), dtype=np.float32)
             ctypes.memmove(hidden.ctypes.data, self._lc.llama_get_embeddings(self.ctx),
                            hidden.nbytes)
             if wanted < n:
-                keep = np.flatnonzero(np.asarray(outputs, dtype=bool)[:n])
+                keep = np.flatnonzero(np.asarray(outputs, dtype=bool))
                 out, hidden = out[keep], hidden[keep]
-            self._part_hidden = hidden
-        return out
+        return out, hidden
 
     # the KV cache, by sequence ----------------------------------------------------------------
     def seq_copy(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:

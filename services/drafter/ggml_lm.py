@@ -183,10 +183,7 @@ class GgmlDraftLM:
             seq_ids += seqs
             outputs += [i >= p.logits_from for i in range(n)]
             counts.append(n - p.logits_from)
-        if not any(outputs):
-            self.model.decode(tokens, positions, seq_ids, outputs)
-            return [torch.empty(0, self._width()) for _ in parts]
-        logits = self.model.decode(tokens, positions, seq_ids, outputs)
+        logits = self.model.decode(tokens, positions, seq_ids, outputs)  # [0, V]: no outputs
         if self._columns is not None:
             logits = logits[:, self._columns]
         return list(torch.from_numpy(np.ascontiguousarray(logits)).split(counts))
@@ -220,9 +217,6 @@ class GgmlDraftLM:
             cache.drop(rows)
             raise
         return rows, seqs
-
-    def _width(self) -> int:
-        return self.vocab_size if self._columns is None else len(self._columns)
 
     def close(self) -> None:
         self.model.close()
