@@ -83,6 +83,17 @@ def test_speculation_is_switched_off_when_it_cannot_pay_and_probed_again():
     assert budgets[1].expected_length == 1.0
 
 
+def test_an_off_request_in_a_batch_probes_as_rarely_as_the_batch_alone():
+    """Off, a request probes every 4 x probe_every steps times the requests in flight: the
+    arm's prior is shared, and a probe's rows cost every request of the batch its step."""
+    sizing = TreeSizing(max_nodes=10, max_depth=10, probe_every=4)
+    feed(sizing, LinearCost(0.030, 0.010), bucket=4)
+    request = sizing.for_request()
+    request.profile = AcceptanceProfile.from_probabilities([[0.05]] * 10)
+    budgets = [request.choose(4).budget for _ in range(128)]
+    assert [i for i, b in enumerate(budgets) if b] == [0, 63, 127]
+
+
 def test_probes_visit_the_adjacent_sizes_then_half_and_double():
     sizing = TreeSizing(max_nodes=32, max_depth=8, probe_every=2)
     cost = LinearCost(0.030, 0.0005)

@@ -9,7 +9,8 @@ others' rows, drafting and tokens: their current plans. Deviations from ProPD
 (docs/decisions/adaptive-tree-size.md):
 - each request chooses every step knowing the others' plans, not one size per batch change.
 - T is the router's wall time of a step (drafting included), not the verifier's forward alone.
-- probes: a neighbouring size every `probe_every` steps; off, rarer 2-node probes that could pay.
+- probes: a neighbouring size every `probe_every` steps; off, rarer 2-node probes that could pay,
+  rarer still in a batch (the arm's prior is shared: the batch probes at a lone request's rate).
 - bootstrap: the default size, then plain, until two sizes are timed (batched: one at a time).
 - a lone request's confidence-stopped chain gets the full depth whenever ProPD drafts.
 """
@@ -19,7 +20,7 @@ from specmesh_services.router.sizing.acceptance import best_size
 from specmesh_services.router.sizing.choice import (ChoiceInputs, SizeStrategy, StepChoice,
                                                     StepCosts, doubled)
 
-OFF_PROBE_SPACING = 4  # an off request probes every 4 * probe_every steps
+OFF_PROBE_SPACING = 4  # an off request probes every 4 * probe_every steps (times the batch)
 OFF_PROBE_SIZE = 2
 BOOTSTRAP_TIMEOUT = 64  # choices after which a batch bootstrap draft that never came back is retried
 
@@ -54,7 +55,7 @@ class AdaptiveSize(SizeStrategy):
         size = self._optimum(curve, inputs.costs)
         if size is None:
             return self._bootstrap(curve, inputs.costs)
-        every = self.probe_every * (OFF_PROBE_SPACING if size == 0 else 1)
+        every = self._off_every(inputs) if size == 0 else self.probe_every
         probe = False
         # off from its first step on the arm's prior alone (the requests before it): it probes
         # at once, as its own text may be predictable where theirs was not
@@ -96,6 +97,13 @@ class AdaptiveSize(SizeStrategy):
             return choice
         return StepChoice(depth, curve[min(depth, len(curve) - 1)], choice.probe)
 
+    def _off_every(self, inputs: ChoiceInputs) -> int:
+        """Steps between an off request's probes: `OFF_PROBE_SPACING` times `probe_every`,
+        times the requests in flight. A probe teaches the arm's shared prior as much as the
+        request's own profile, and in a batch its rows cost every request's step: b requests
+        probing as one would probe b times as often as one alone."""
+        return self.probe_every * OFF_PROBE_SPACING * inputs.in_flight
+
     def _could_pay(self, n: int, costs: StepCosts) -> bool:
         """Whether an n-node tree whose every node were accepted (n + 1 tokens) would beat
         plain decoding at the current costs."""
@@ -126,14 +134,14 @@ class AdaptiveSize(SizeStrategy):
 
     def ahead_budget(self, inputs: ChoiceInputs, budget: int) -> int:
         """0 for a request decoding plainly, unless its next step is a probe."""
-        if self.runs_plain(inputs) and not self._probes_next(inputs.choices):
+        if self.runs_plain(inputs) and not self._probes_next(inputs):
             return 0
         return doubled(budget, self.max_nodes)
 
-    def _probes_next(self, choices: int) -> bool:
+    def _probes_next(self, inputs: ChoiceInputs) -> bool:
         """Whether the next choice of a request decoding plainly is a probe step."""
-        every = self.probe_every * OFF_PROBE_SPACING
-        return bool(every) and (choices + 1) % every == 0
+        every = self._off_every(inputs)
+        return bool(every) and (inputs.choices + 1) % every == 0
 
     def observe(self, choice: StepChoice, emitted: int, step_seconds: float,
                 timed_draft: bool) -> None:

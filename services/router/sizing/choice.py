@@ -39,6 +39,7 @@ class ChoiceInputs:
     choices: int  # steps it chose a size for on this arm (the one being chosen included)
     trees: int  # its own trees verified on this arm
     costs: StepCosts | None = None  # only for a strategy that prices trees (`prices`)
+    in_flight: int = 1  # requests in flight, this one included
 
 
 class SizeStrategy:

@@ -157,7 +157,7 @@ class RequestSizing:
     def _inputs(self, in_flight: int, others: BatchShare) -> ChoiceInputs:
         shared = self.shared
         costs = shared.step_costs(in_flight, others) if shared.strategy.prices else None
-        return ChoiceInputs(self.profile, self.choices, self.trees, costs)
+        return ChoiceInputs(self.profile, self.choices, self.trees, costs, max(1, in_flight))
 
     def choose(self, in_flight: int, others: BatchShare = BatchShare()) -> StepChoice:
         self.choices += 1
