@@ -7,6 +7,8 @@ import asyncio
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from specmesh_services.common.config import VerifierSettings
 from specmesh_services.common.pool.memory import MemoryPool
 from specmesh_services.verifier.cost import VerifyCostModel
@@ -128,3 +130,25 @@ def test_an_entry_that_fails_every_verifier_is_dead_lettered():
     assert "delivered 4 times without being verified" in failed.error
     assert [reason for _, reason in dead] == [failed.error] and pending == 0
     assert w.metrics.dead_lettered._value.get() == 1
+
+
+def test_results_carry_the_row_cost_and_the_round_trip_routers_price_trees_with():
+    """Every verified result says what a row adds to a pass (the cost fit's per-row term) and
+    the measured round trip; before a fit, 0 (the routers then time passes themselves)."""
+    cost = VerifyCostModel()
+    for rows in range(1, 11):
+        for context in (100, 900):
+            cost.observe(rows, context, 1, 0.2 + 0.01 * rows + 1e-4 * context)
+    w = VerifierWorker(SimpleNamespace(name="verifier-test", cost=cost), MemoryPool(),
+                       executor=None, settings=VerifierSettings(batch_size=8))
+    w._turnaround_s = 0.012
+    done = [(pool_pb2.VerifyResult(), []), None, (pool_pb2.VerifyResult(error="bad tree"), [])]
+    w._costs(done)
+    assert done[0][0].row_seconds == pytest.approx(0.01, rel=1e-3)
+    assert done[0][0].turnaround_seconds == pytest.approx(0.012)
+    assert done[2][0].row_seconds == 0 and done[2][0].turnaround_seconds == 0
+    fresh = VerifierWorker(SimpleNamespace(name="v", cost=VerifyCostModel()), MemoryPool(),
+                           executor=None, settings=VerifierSettings(batch_size=8))
+    done = [(pool_pb2.VerifyResult(), [])]
+    fresh._costs(done)
+    assert done[0][0].row_seconds == 0 and done[0][0].turnaround_seconds == 0

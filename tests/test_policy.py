@@ -161,6 +161,63 @@ def test_batch_aware_choice_maximizes_the_batch_rate():
     assert request.would_speculate(8, share) == (want > 0)
 
 
+def test_a_tree_in_a_batch_pays_for_the_plain_runs_it_breaks_and_its_rows():
+    """Seven others decoding plain runs of 4 tokens a round trip: a tree makes the step one
+    round for all, so it pays the round trip the runs share four ways, and each node at least
+    the verifier's fitted seconds per row, even where the passes timed at 9 rows came out
+    cheaper than those at 8 (timed at different contexts)."""
+    draft = LinearCost(0.002, 0.0)
+    others = BatchShare(nodes=0, tokens=7.0, requests=7)
+    profile = AcceptanceProfile.from_probabilities([[0.45]] * 4)
+    curve = profile.expected_tokens(4)
+
+    def sizing_of(plain_tokens: int, row: float, trip: float) -> TreeSizing:
+        sizing = TreeSizing(max_nodes=4, max_depth=4, probe_every=0, verify_times=PassTimes(),
+                            plain_tokens=plain_tokens)
+        for rows, seconds in ((8, 0.066), (9, 0.064), (10, 0.070), (12, 0.079)):
+            sizing.verify_times.observe_pass(VerifyStep(seconds, rows, 8, rows - 8, "v", row,
+                                                        trip))
+        sizing.draft_times.observe(1, draft(1))
+        return sizing
+
+    naive = sizing_of(1, 0.0, 0.0)  # no runs, no per-row fit: the timed passes alone
+    cost = naive.batch_cost(others)
+    assert cost(1) == pytest.approx(0.066 + 0.002), "9 rows priced as 8, never below them"
+    request = naive.for_request()
+    request.profile = profile
+    assert request.choose(8, others).budget > 0
+
+    sizing = sizing_of(4, 0.0045, 0.008)
+    cost = sizing.batch_cost(others)
+    assert cost(0) == pytest.approx(0.066 + 0.008 / 4)
+    assert cost(1) == pytest.approx(0.066 + 0.0045 + 0.002 + 0.008)
+    assert cost(2) == pytest.approx(0.066 + 0.009 + 0.002 + 0.008), "the fit: dearer than 10 rows"
+    assert cost(4) == pytest.approx(0.066 + 0.018 + 0.002 + 0.008)
+    request = sizing.for_request()
+    request.profile = profile
+    want = max(range(5), key=lambda n: ((7.0 + curve[n]) / cost(n), -n))
+    assert want == 0 and request.choose(8, others).budget == 0
+    # others with trees: no runs to break, the round trip is every option's
+    trees = BatchShare(nodes=8, tokens=7 * 1.5, requests=7, draft_seconds=0.01)
+    assert sizing.batch_cost(trees)(0) == pytest.approx(
+        sizing.verify_times.curve()(16) + 0.01 + 0.008)
+
+
+def test_the_verifiers_row_cost_spares_the_batch_bootstrap_of_the_pass_time():
+    """One pass size timed and the verifier's per-row fit known: the batch prices trees from
+    them without bootstrapping a second pass size."""
+    sizing = TreeSizing(max_nodes=4, max_depth=4, probe_every=0, verify_times=PassTimes(),
+                        plain_tokens=4)
+    sizing.draft_times.observe(2, 0.001)
+    sizing.verify_times.observe_pass(VerifyStep(0.066, 8, 8, 0, "v"))
+    others = BatchShare(tokens=7.0, requests=7)
+    assert sizing.batch_cost(others) is None
+    sizing.verify_times.observe_pass(VerifyStep(0.067, 8, 8, 0, "v", 0.004, 0.006))
+    base = sizing.verify_times.estimate()(8)
+    assert sizing.batch_cost(others)(2) == pytest.approx(base + 0.008 + 0.001 + 0.006)
+    assert not sizing.for_request().choose(8, others).probe
+
+
 def test_batch_choice_waits_for_both_costs_and_alone_uses_the_step_time():
     sizing = TreeSizing(max_nodes=8, max_depth=4, probe_every=0, verify_times=PassTimes())
     request = sizing.for_request()

@@ -184,14 +184,29 @@ def test_curve_takes_measured_sizes_as_measured():
     cost, line = m.curve(), m.fit()
     for n in (0, 2, 4, 5, 8, 11):
         assert cost(n) == pytest.approx(staircase(n))
-    for n in (1, 3, 7, 9):  # never measured: the line
-        assert cost(n) == pytest.approx(line(n))
+    for n in (1, 3, 7, 9):  # never measured: the line, never below a smaller measured size
+        below = max(staircase(i) for i in (0, 2, 4, 5, 8, 11) if i < n)
+        assert cost(n) == pytest.approx(max(line(n), below))
     # a size not updated for a long time falls back to the line
     for _ in range(100):
         m.observe(4, staircase(4))
         m.observe(5, staircase(5))
     assert m.curve()(8) == pytest.approx(m.fit()(8))
     assert m.curve()(5) == pytest.approx(staircase(5))
+
+
+def test_a_larger_tree_is_never_priced_below_a_smaller_one():
+    """Sizes measured at different moments (a batch's contexts grow between them) can come out
+    with the larger one cheaper; the curve lifts it to the smaller one's time."""
+    m = StepTimeModel(alpha=1.0)
+    for n, seconds in ((8, 0.0698), (9, 0.0639), (10, 0.0792), (7, 0.0652)):
+        m.observe(n, seconds)
+    cost = m.curve()
+    assert cost(9) == pytest.approx(0.0698)
+    assert cost(8) == pytest.approx(0.0698)
+    assert cost(7) == pytest.approx(0.0652)
+    assert cost(10) == pytest.approx(0.0792)
+    assert all(cost(n + 1) >= cost(n) for n in range(0, 16))
 
 
 def test_the_choice_finds_the_cheap_side_of_a_step():

@@ -141,7 +141,7 @@ class Router:
                 max_nodes=described.max_nodes, max_depth=self.speculation.depth,
                 probe_every=self.speculation.probe_every, mode=self.speculation.tree_size,
                 verify_times=self.verify_times, draft_prior=described.draft_prior,
-                self_sized=described.self_sized)
+                self_sized=described.self_sized, plain_tokens=self.speculation.plain_tokens)
         return self._sizings[arm]
 
     # result dispatch --------------------------------------------------------------------------

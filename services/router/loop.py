@@ -286,7 +286,8 @@ class RequestLoop:
         seconds = time.perf_counter() - plan.started
         choice, arm, tree = plan.choice, plan.arm_name, drafted.tree
         verified = (VerifyStep(result.verify_seconds, result.batch_rows, result.batch_trees,
-                               result.batch_nodes, result.verifier)
+                               result.batch_nodes, result.verifier, result.row_seconds,
+                               result.turnaround_seconds)
                     if result.batch_trees else None)
         decision = self.sizing(arm or FIXED_ARM).observe(
             plan.step, choice, tree, emitted, seconds, plan.in_flight, drafted.drafters, arm,

@@ -222,6 +222,7 @@ class VerifierWorker:
             for span in spans:
                 span.set_attributes(timing)
         self._observe(done)
+        self._costs(done)
         deferred, completions = [], []
         for taken, span, out in zip(ready, spans, done):
             if out is None:
@@ -240,6 +241,17 @@ class VerifierWorker:
         results = [out[0] for out in done if out is not None and not out[0].error]
         self.metrics.observe_step(self.engine, stats, sum(r.tree_size for r in results),
                                   sum(len(r.accepted) for r in results))
+
+    def _costs(self, done) -> None:
+        """What the routers' batched tree-size choice prices a tree with: the seconds a row adds
+        to a pass (the verify-cost fit's per-row term) and the round trip a plain run saves."""
+        cost = getattr(self.engine, "cost", None)
+        fit = cost.fit(stale=REFIT_STEPS) if cost is not None else None
+        row = max(fit.per_row_s, 0.0) if fit is not None else 0.0
+        for out in done:
+            if out is not None and not out[0].error:
+                out[0].row_seconds = row
+                out[0].turnaround_seconds = self._turnaround_s
 
     def _step_timing(self) -> dict:
         """The engine step's index and time split, shared by all its entries' spans."""

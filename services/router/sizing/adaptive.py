@@ -5,7 +5,8 @@ the most expected tokens per second under the measured costs and the request's o
     batched:  budget = argmax_n (E_others + E_request(n)) / (V(R_others + 1 + n) + D_others + D(n))
 
 T, V (the verifier's pass over its rows), D (drafting): `cost.py`; E: `acceptance.py`; the
-others' rows, drafting and tokens: their current plans. Deviations from ProPD
+others' rows, drafting and tokens: their current plans; the batched cost with the round trip
+a tree's step no longer spreads over plain runs (`TreeSizing.batch_cost`). Deviations from ProPD
 (docs/decisions/adaptive-tree-size.md):
 - each request chooses every step knowing the others' plans, not one size per batch change.
 - T is the router's wall time of a step (drafting included), not the verifier's forward alone.

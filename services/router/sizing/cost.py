@@ -8,7 +8,7 @@ Deviations (docs/decisions/adaptive-tree-size.md):
 - o_i is counted in observed steps, not seconds: the router's steps are its clock.
 - a negative fitted slope is clamped to 0: a larger tree is never cheaper.
 - T_est(n) is a recently measured size's own T_perf, the line only elsewhere (`curve`): costs
-  that grow in steps.
+  that grow in steps; never below a smaller size's.
 """
 from __future__ import annotations
 
@@ -39,7 +39,10 @@ class MeasuredCost:
 
     def __call__(self, n: int) -> float:
         seconds = self.measured.get(n)
-        return self.line(n) if seconds is None else seconds
+        own = self.line(n) if seconds is None else seconds
+        # a larger tree is never cheaper: a smaller size measured dearer (at a longer context,
+        # or by noise) bounds this one from below
+        return max([own, *(t for i, t in self.measured.items() if i < n)])
 
 
 @dataclass
@@ -116,6 +119,8 @@ class VerifyStep:
     trees: int  # trees verified in it
     nodes: int  # their draft nodes
     verifier: str = ""  # who ran it
+    row_seconds: float = 0.0  # what a row adds to its passes (its fit; 0: not fitted yet)
+    turnaround_seconds: float = 0.0  # a result's round trip to the next entry (0: unknown)
 
     @property
     def prefilled(self) -> bool:
@@ -131,8 +136,15 @@ class PassTimes(StepTimeModel):
 
     _seen: deque = field(default_factory=deque, init=False, repr=False)  # the last 256 passes
     _seen_keys: set = field(default_factory=set, init=False, repr=False)  # the same, to look up
+    # the verifier's latest word on a row's seconds and on the round trip (0: not said yet)
+    row_seconds: float = field(default=0.0, init=False)
+    turnaround_seconds: float = field(default=0.0, init=False)
 
     def observe_pass(self, step: VerifyStep) -> None:
+        if step.row_seconds > 0:
+            self.row_seconds = step.row_seconds
+        if step.turnaround_seconds > 0:
+            self.turnaround_seconds = step.turnaround_seconds
         key = (step.verifier, step.seconds, step.rows)
         if key not in self._seen_keys:
             self._seen.append(key)

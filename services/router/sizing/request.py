@@ -69,13 +69,14 @@ class TreeSizing:
                  config: SizingConfig | None = None, mode: str = "adaptive",
                  verify_times: PassTimes | None = None,
                  draft_prior: Callable[[int], float] | None = None,
-                 self_sized: bool = False) -> None:
+                 self_sized: bool = False, plain_tokens: int = 1) -> None:
         """`mode`: the strategy, "fixed" (the whole tree every step), "adaptive" (ProPD) or
         "length" (Minions). `verify_times`: None = no batched choice (every concurrency uses
         the step-time model of its bucket). `draft_prior`: the arm's drafting seconds as a
         function of the budget until they have been timed (the drafters' own measurement): a
         batch need not bootstrap an arm whose drafting it can already tell does not pay.
-        `self_sized`: the arm's tree is one draft model's chain under a confidence stop."""
+        `self_sized`: the arm's tree is one draft model's chain under a confidence stop.
+        `plain_tokens`: the tokens a step without trees decodes a round trip (plain runs)."""
         if max_nodes < 0 or max_depth < 0:
             raise ValueError("need max_nodes >= 0 and max_depth >= 0")
         base = config or SizingConfig()
@@ -94,6 +95,7 @@ class TreeSizing:
         # drafter seconds of one request's tree as a function of its budget (0 for budget 0)
         self.draft_times = StepTimeModel(self.config.time_alpha, self.config.age_decay)
         self.draft_prior = draft_prior
+        self.plain_tokens = max(plain_tokens, 1)
 
     @property
     def adaptive(self) -> bool:
@@ -112,18 +114,33 @@ class TreeSizing:
         return self.time_model(bucket).fit()
 
     def batch_cost(self, others: BatchShare) -> Callable[[int], float] | None:
-        """Seconds of a step shared with `others` as a function of this request's tree size n:
-        the verifier's pass over everyone's rows plus everyone's drafting,
-        V(others' rows + 1 + n) + others' drafting + D(n), and for a tree the request's
-        drafter prefill still pending (`BatchShare.switch_seconds`). None until V and D are
-        measured."""
-        verify = self.verify_times.curve() if self.verify_times is not None else None
+        """Seconds of a round of a step shared with `others` as a function of this request's
+        tree size n: the verifier's pass over everyone's rows, V(R) with R = others' rows + 1,
+        plus what n nodes add to it, plus everyone's drafting (D(n) and, for a tree, the
+        request's drafter prefill still pending: `BatchShare.switch_seconds`), plus the round
+        trip through router and pool. A step without trees decodes `plain_tokens` rounds a
+        trip (plain runs): one tree makes it one round for the whole batch. What n nodes add
+        is the dearer of the verifier's per-row fit (context and requests held fixed) and the
+        measured V(R + n) - V(R). None until V (or one size of it and the per-row fit) and D
+        are measured."""
+        times = self.verify_times
+        verify = times.curve() if times is not None else None
+        if verify is None and times is not None and times.row_seconds > 0:
+            verify = times.estimate()
         draft = self.draft_times.estimate() or self.draft_prior
         if verify is None or draft is None:
             return None
         rows = others.nodes + others.requests + 1
-        return lambda n: (verify(rows + n) + others.draft_seconds
-                          + (draft(n) + others.switch_seconds if n else 0.0))
+        base, row, trip = verify(rows), times.row_seconds, times.turnaround_seconds
+        runs = self.plain_tokens if not others.nodes else 1
+        shared = base + others.draft_seconds
+
+        def seconds(n: int) -> float:
+            if not n:
+                return shared + trip / runs
+            added = max(row * n, verify(rows + n) - base)
+            return shared + added + draft(n) + others.switch_seconds + trip
+        return seconds
 
     def step_costs(self, in_flight: int, others: BatchShare) -> StepCosts:
         """What a step now costs: with others in flight (and the verifier's pass time shared),
