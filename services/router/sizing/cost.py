@@ -12,6 +12,7 @@ Deviations (docs/decisions/adaptive-tree-size.md):
 """
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from collections.abc import Mapping
@@ -35,14 +36,24 @@ class MeasuredCost:
     (`StepTimeModel.curve`)."""
 
     line: LinearCost
-    measured: Mapping[int, float]
+    measured: Mapping[int, float]  # size -> its time, lifted to the dearest smaller size's
+    sizes: tuple[int, ...] = ()  # the measured sizes, ascending
+
+    @classmethod
+    def of(cls, line: LinearCost, measured: Mapping[int, float]) -> "MeasuredCost":
+        """A larger tree is never cheaper: a smaller size measured dearer (at a longer
+        context, or by noise) bounds each larger one from below."""
+        lifted, dearest = {}, 0.0
+        for size in sorted(measured):
+            dearest = lifted[size] = max(dearest, measured[size])
+        return cls(line, lifted, tuple(lifted))
 
     def __call__(self, n: int) -> float:
         seconds = self.measured.get(n)
-        own = self.line(n) if seconds is None else seconds
-        # a larger tree is never cheaper: a smaller size measured dearer (at a longer context,
-        # or by noise) bounds this one from below
-        return max([own, *(t for i, t in self.measured.items() if i < n)])
+        if seconds is not None:
+            return seconds
+        below = bisect.bisect_left(self.sizes, n)
+        return max(self.line(n), self.measured[self.sizes[below - 1]]) if below else self.line(n)
 
 
 @dataclass
@@ -90,7 +101,7 @@ class StepTimeModel:
         if line is None:
             return None
         measured = {i: t for i, t in self._perf.items() if self._weight(i) >= self.fresh_weight}
-        return MeasuredCost(line, measured)
+        return MeasuredCost.of(line, measured)
 
     def fit(self) -> LinearCost | None:
         """Weighted least squares over the sizes seen; None before two distinct sizes. A
