@@ -129,22 +129,30 @@ def plain_runs(engine: GgmlEngine, prompts: dict, params=SamplingParams()) -> di
 
 def test_plain_runs_decode_in_one_call_a_round_as_the_step_does(gguf, prompts, plain_greedy,
                                                                monkeypatch):
-    """A plain run's rounds go straight to llama_decode (no generic step): at batch 1 and 3
-    llama.cpp's own greedy decoding (or a near-tie); a sampled, penalized request draws the
-    same tokens as through the generic step (same rows, same sampler)."""
+    """A plain run's rounds, its first token's included, go straight to llama_decode (no
+    generic step but the prefill): at batch 1 and 3 llama.cpp's own greedy decoding (or a
+    near-tie); a sampled, penalized request draws the same tokens as through the generic step
+    (same rows, same sampler)."""
     model = GgmlModel(gguf, n_ctx=4096, n_batch=512, n_seq_max=256, threads=2)
     engine = GgmlEngine(GgmlLM(model, "smollm2-135m", 8192),
                         limits=EngineLimits(kv_budget_tokens=3072))
-    generic = VerifierEngine._plain_round
+    generic, generic_step = VerifierEngine._plain_round, VerifierEngine.step
     monkeypatch.setattr(VerifierEngine, "_plain_round", lambda *a: pytest.fail("generic round"))
+    steps = []
+    monkeypatch.setattr(VerifierEngine, "step", lambda self, items: steps.append(items)
+                        or generic_step(self, items))
     names = list(prompts)
     outputs = plain_runs(engine, {names[0]: prompts[names[0]]})
     outputs.update(plain_runs(engine, {rid: prompts[rid] for rid in names[1:]}))
     assert assert_plain_or_tie(outputs, plain_greedy) >= 1
     sampled = SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.3)
     lean = plain_runs(engine, {"s": prompts[names[0]]}, sampled)
+    # generic steps: only the prefills (one step per request, its first token)
+    assert len(steps) == 3 and all(not len(tree) for items in steps for _, tree in items)
+    monkeypatch.setattr(VerifierEngine, "step", generic_step)
     monkeypatch.setattr(VerifierEngine, "_plain_round", generic)
     monkeypatch.setattr(GgmlEngine, "_plain_round", generic)
+    monkeypatch.setattr(GgmlEngine, "step", generic_step)
     assert plain_runs(engine, {"s": prompts[names[0]]}, sampled) == lean
     assert engine.store.used_blocks == 0 and sorted(engine.store.free_seqs) == list(range(256))
     model.close()
