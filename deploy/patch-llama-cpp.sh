@@ -11,6 +11,9 @@
 # Rapids and later) gets SIGILL from the first tileloadd once llama.cpp repacks weights for AMX
 # (its default).
 #
+# C. Flash attention (ggml-cpu/ops.cpp): a row skips the masked cells of a unified cache (other
+#    requests' cells) 16 a compare; the same cells are summed, in the same order.
+#
 # ggml_tile_config_init() fills a tile_config_t on the stack for _tile_loadconfig():
 # 1. GCC 12 does not see that builtin read the struct and drops the stores of the rows and
 #    column widths: ldtilecfg loads zero-sized tiles. A compiler barrier that takes the
@@ -71,6 +74,48 @@ static constexpr bool specmesh_q6_k_sgemm = false;\
 &|' "$TILED"
     else
         echo "patch-llama-cpp.sh: $TILED is not the one this patch knows; Q6_K keeps its tiled path from 8 tokens" >&2
+    fi
+fi
+
+# C. Flash attention over a unified KV cache (ggml-cpu/ops.cpp): every row's attention loops
+#    over all cells in use, other sequences' too, and skips a masked one after converting its
+#    fp16 mask value; the served backend's one cache holds every request's cells (a tree's row
+#    belongs to several sequences), so at batch 8 most cells a row visits are masked. The skip
+#    now tests 16 mask values a compare (AVX2) for -inf (fp16 0xFC00) before the loop's own
+#    test: the same cells are summed in the same order, so every result is unchanged.
+OPS="$SRC/ggml/src/ggml-cpu/ops.cpp"
+FA_MARK='specmesh: masked cells skipped 16 a compare'
+if [ -f "$OPS" ] && ! grep -q "$FA_MARK" "$OPS"; then
+    LOOP='        for (int64_t ic = ic_start; ic < ic_end; ++ic) {'
+    TEST='            const float mv = mp ? slope\*GGML_CPU_FP16_TO_FP32(mp\[ic\]) : 0.0f;'
+    if [ "$(grep -c "^$LOOP\$" "$OPS")" = 1 ] && [ "$(grep -c "^$TEST\$" "$OPS")" = 1 ] &&
+       [ "$(grep -c '^static void ggml_compute_forward_flash_attn_ext_f16_one_chunk($' "$OPS")" = 1 ]; then
+        sed -i "s|^$LOOP\$|&\\
+            if (mp \&\& (ic = specmesh_next_unmasked(mp, ic, ic_end)) >= ic_end) {  // $FA_MARK\\
+                break;\\
+            }|" "$OPS"
+        sed -i 's|^static void ggml_compute_forward_flash_attn_ext_f16_one_chunk($|// specmesh: the first cell from ic on whose mask is not -inf (fp16 0xFC00)\
+static inline int64_t specmesh_next_unmasked(const ggml_fp16_t * mp, int64_t ic, int64_t end) {\
+#if defined(__AVX2__)\
+    const __m256i ninf = _mm256_set1_epi16((short) 0xFC00);\
+    for (; ic + 16 <= end; ic += 16) {\
+        const uint32_t masked = (uint32_t) _mm256_movemask_epi8(_mm256_cmpeq_epi16(\
+            _mm256_loadu_si256((const __m256i *)(mp + ic)), ninf));\
+        if (masked != 0xFFFFFFFFu) {\
+            return ic + (__builtin_ctz(~masked) >> 1);\
+        }\
+    }\
+#endif\
+    while (ic < end \&\& mp[ic] == (ggml_fp16_t) 0xFC00) {\
+        ++ic;\
+    }\
+    return ic;\
+}\
+\
+&|' "$OPS"
+        grep -q "$FA_MARK" "$OPS" || echo "patch-llama-cpp.sh: $OPS: the attention patch did not apply" >&2
+    else
+        echo "patch-llama-cpp.sh: $OPS is not the one this patch knows; attention left as it is" >&2
     fi
 fi
 

@@ -209,3 +209,32 @@ def test_rows_decoded_together_get_the_logits_of_one_row_a_call(ggml, tokenizer,
     model.seq_remove(-1)
     if model is not ggml:
         model.close()
+
+
+def test_other_sequences_cells_change_no_row(ggml, tokenizer):
+    """llama.cpp's one cache holds every request's cells and a row's attention skips the
+    other sequences' (masked) ones, 16 mask values a compare with deploy/patch-llama-cpp.sh:
+    rows decoded among three other sequences' cells, interleaved with their own, get the
+    logits they get in an empty cache, bit for bit."""
+    tokens = prompt_ids(tokenizer, "Masked cells of other requests are skipped, not summed. "
+                                   "A tree's rows attend to their own ancestors only. " * 2)[:40]
+    ggml.seq_remove(-1)
+    rows = 4  # several rows a call: one row over 512 cells or more splits the cells by thread
+    calls = range(0, len(tokens), rows)
+
+    def decode(seq: int) -> np.ndarray:
+        return np.concatenate([ggml.decode(tokens[i:i + rows], list(range(i, i + rows)),
+                                           [[seq]] * rows, [True] * rows) for i in calls])
+    alone_logits = decode(0)
+    ggml.seq_remove(0)
+    others = prompt_ids(tokenizer, "Another request's prompt holds these cells. " * 4)[:48]
+    for seq in (1, 2, 3):  # their prompts before, then a cell of each between every call
+        ggml.decode(others, list(range(len(others))), [[seq]] * len(others),
+                    [False] * len(others))
+    shared = []
+    for k, i in enumerate(calls):
+        shared.append(ggml.decode(tokens[i:i + rows], list(range(i, i + rows)),
+                                  [[0]] * rows, [True] * rows))
+        ggml.decode([others[k]] * 3, [len(others) + k] * 3, [[1], [2], [3]], [False] * 3)
+    assert np.array_equal(np.concatenate(shared), alone_logits)
+    ggml.seq_remove(-1)
