@@ -188,10 +188,9 @@ class GgmlEngine(VerifierEngine):
         limits = self.limits
         if (items and len(items) <= min(limits.max_batch_trees, limits.max_batch_tokens)
                 and not self.lm.model.embeddings and not any(len(t) for _, t in items)):
-            start = time.perf_counter()
             tokens = self._direct_round([r for r, _ in items])
-            if tokens is not None:
-                seconds, rows = time.perf_counter() - start, len(items)
+            if tokens is not None:  # its time as the generic step counts it: to the forward's end
+                seconds, rows = self.last_step.seconds, len(items)
                 return [StepResult(r, StepOutcome(WalkResult([], [], t), 0, seconds, rows, 0,
                                                   rows)) for (r, _), t in zip(items, tokens)]
         return super().step(items)
