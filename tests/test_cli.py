@@ -4,6 +4,7 @@ Ctrl-C on a foreground `up`; no process may survive its stack."""
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -215,3 +216,64 @@ def test_up_restarts_a_killed_child_and_its_stream_completes_unchanged(cli_env, 
     finally:
         down = run_cli(["down"], cli_env)
     assert down.returncode == 0, down.stderr
+
+
+FAKE_CHILD = """
+import socket, sys, time
+from concurrent import futures
+import grpc
+from grpc_health.v1 import health, health_pb2_grpc
+held = []
+for port in map(int, sys.argv[1:]):  # as a service binds its ports: exits if one is taken
+    s = socket.socket()
+    s.bind(("127.0.0.1", port))
+    s.listen()
+    held.append(s)
+server = grpc.server(futures.ThreadPoolExecutor(1))
+health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+held[0].close()  # its gRPC port, now served by grpc
+server.add_insecure_port(f"127.0.0.1:{sys.argv[1]}")
+server.start()
+time.sleep(600)
+"""
+
+
+def test_a_port_taken_before_its_child_binds_it_is_chosen_again(tmp_path, monkeypatch):
+    """A router port and the HTTP port `up` chose are taken (by any other process) before their
+    children bind them: each stage starts again on new ports, and the stack comes up."""
+    from specmesh_services.common.config import Settings
+    from specmesh_services.launch import procs, stack
+
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    taken = squatter.getsockname()[1]
+    picks = iter(range(100))
+    monkeypatch.setattr(stack, "free_port", lambda: taken if next(picks) in (1, 4) else
+                        procs.free_port())  # verifier, router, drafter, datastore, http
+
+    def spawn(self, role, port, settings, metrics_port=None, append=False, name=""):
+        ports = [port, settings.gateway.http_port] if role == "gateway" else [port]
+        log = tmp_path / f"{name}.log"
+        with open(log, "w") as out:
+            process = subprocess.Popen([sys.executable, "-c", FAKE_CHILD, *map(str, ports)],
+                                       stdout=out, stderr=subprocess.STDOUT)
+        child = stack.Child(role, port, log, process, 0, name)
+        self.children.append(child)
+        return child
+
+    monkeypatch.setattr(stack.Stack, "spawn", spawn)
+    s = stack.Stack(Settings(), procs.free_port(), tmp_path)
+    try:
+        s.start_children(Settings().with_overrides(**{"gateway.http_port": 0}))
+        assert all(c.alive() for c in s.children)
+        assert len({c.name for c in s.children}) == len(s.children)  # the failed ones dropped
+        router = next(c for c in s.children if c.role == "router")
+        assert taken not in (router.port, s.http_port)
+        assert s.settings.router_address == f"127.0.0.1:{router.port}"
+        assert s.settings.gateway.http_port == s.http_port
+    finally:
+        squatter.close()
+        for child in s.children:
+            child.process.kill()
+            child.process.wait()

@@ -35,6 +35,8 @@ from specmesh_services.launch.supervisor import supervise
 
 CLI_MODULE = "specmesh_services.launch.cli"  # children run `python -m CLI_MODULE ...`
 START_TIMEOUT_S = 300.0
+PORT_TAKEN = ("Address already in use", "cannot listen on")  # a child's log: a port chosen for
+PORT_RETRIES = 3  # it was taken before it bound it; its stage gets new ports this many times
 STOP_TIMEOUT_S = 45.0  # the supervisor's own stop: the children's drain (drain_s + 5) + redis
 
 
@@ -54,6 +56,10 @@ def settings_env(settings: Settings) -> dict[str, str]:
         if value is not None:
             env[f"SPECMESH_{name.upper()}"] = value if isinstance(value, str) else json.dumps(value)
     return env
+
+
+class PortTaken(RuntimeError):
+    """A child exited at start because a port chosen for it was taken meanwhile."""
 
 
 @dataclass
@@ -119,25 +125,49 @@ class Stack:
                                      password=secrets.token_urlsafe(24) if pki else None)
             self.redis.start()
             settings = settings.with_overrides(redis_url=self.redis.url)
+        self.start_children(settings)
+
+    def start_children(self, settings: Settings) -> None:
+        """The pool's consumers and the draft sources, then the routers, then the gateway, each
+        stage healthy before the next; a port chosen here and taken before its child bound it
+        is chosen again (the stage restarts)."""
         replicas = {"verifier": self.verifiers, "router": self.routers,
                     "drafter": self.drafting, "datastore": self.drafting, "gateway": 1}
         ports = {role: [self.gateway_port] if role == "gateway" else
                  [free_port() for _ in range(n)] for role, n in replicas.items()}
-        self.http_port = settings.gateway.http_port
-        if self.http_port == 0:
-            self.http_port = free_port()  # chosen here, so that it can be printed
-        settings = settings.with_overrides(**{"gateway.http_port": self.http_port},
-                                           router_address=_addresses(ports["router"]),
-                                           drafter_address=_addresses(ports["drafter"]),
-                                           datastore_address=_addresses(ports["datastore"]))
+        chose_http = settings.gateway.http_port == 0
+        self.http_port = free_port() if chose_http else settings.gateway.http_port
         source = settings.speculation.source
         drafting = tuple(role for role, used in (("drafter", serves_drafter(settings)),
                                                  ("datastore", source != "model")) if used)
-        self.settings = settings  # what the children run with (the health checks' TLS too)
-        # the pool's consumers and the draft sources, then the routers, then the gateway
         for roles in (("verifier", *drafting), ("router",), ("gateway",)):
-            self.wait_all([self.spawn(role, port, settings, name=_replica(role, i))
-                           for role in roles for i, port in enumerate(ports[role])])
+            for attempt in range(PORT_RETRIES + 1):
+                self.settings = settings.with_overrides(  # what the children run with
+                    **{"gateway.http_port": self.http_port},
+                    router_address=_addresses(ports["router"]),
+                    drafter_address=_addresses(ports["drafter"]),
+                    datastore_address=_addresses(ports["datastore"]))
+                stage = [self.spawn(role, port, self.settings, name=_replica(role, i))
+                         for role in roles for i, port in enumerate(ports[role])]
+                try:
+                    self.wait_all(stage)
+                    break
+                except PortTaken:
+                    if attempt == PORT_RETRIES:
+                        raise
+                    self.drop(stage)
+                    ports.update({role: [free_port() for _ in ports[role]]
+                                  for role in roles if role != "gateway"})
+                    if chose_http and "gateway" in roles:
+                        self.http_port = free_port()
+
+    def drop(self, children: list[Child]) -> None:
+        """Kills `children` (a stage that failed to start) and forgets them."""
+        for child in children:
+            if child.alive():
+                child.process.kill()
+            child.process.wait()
+            self.children.remove(child)
 
     def device_env(self, role: str, name: str) -> dict[str, str]:
         """With `gpus`: each verifier and drafter replica its own GPU in turn (one per process
@@ -212,7 +242,8 @@ class Stack:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline and not stopping:
                 if not child.alive():
-                    raise RuntimeError(f"{child.role} exited with code {child.process.returncode}:"
+                    taken = any(m in child.log_tail() for m in PORT_TAKEN)
+                    raise (PortTaken if taken else RuntimeError)(f"{child.role} exited with code {child.process.returncode}:"
                                        f"\n{child.log_tail()}")
                 with contextlib.suppress(grpc.RpcError):
                     reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
