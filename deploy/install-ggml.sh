@@ -15,7 +15,7 @@ FLAGS=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | tr ' ' '\n' |
         grep -E '^(sse4_2|avx|avx2|fma|f16c|avx_vnni|avx512[a-z0-9_]*|amx_[a-z0-9]*)$' | sort | tr '\n' ' ')
 KIND=$(printf '%s %s' "$(uname -m)" "$FLAGS" | md5sum | cut -c1-12)
 CACHE=${SPECMESH_WHEELS:-$HOME/.cache/specmesh/wheels}/$KIND
-LOCAL=specmesh.3  # bump when patch-llama-cpp.sh or llama-cpp/ change: every host rebuilds once
+LOCAL=specmesh.4  # bump when patch-llama-cpp.sh or llama-cpp/ change: every host rebuilds once
 VERSION=${PIN#*==}+$LOCAL
 
 if "$PYTHON" -c "import importlib.metadata as m, sys; sys.exit(m.version('llama-cpp-python') != '$VERSION')" 2>/dev/null; then

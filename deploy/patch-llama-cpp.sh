@@ -13,6 +13,8 @@
 #
 # C. Flash attention (ggml-cpu/ops.cpp): a row skips the masked cells of a unified cache (other
 #    requests' cells) 16 a compare; the same cells are summed, in the same order.
+# D. Flash attention visits a row's heads one after another (those sharing a K/V head reuse
+#    its cells in cache); every (row, head) is computed as before.
 #
 # ggml_tile_config_init() fills a tile_config_t on the stack for _tile_loadconfig():
 # 1. GCC 12 does not see that builtin read the struct and drops the stores of the rows and
@@ -116,6 +118,26 @@ static inline int64_t specmesh_next_unmasked(const ggml_fp16_t * mp, int64_t ic,
         grep -q "$FA_MARK" "$OPS" || echo "patch-llama-cpp.sh: $OPS: the attention patch did not apply" >&2
     else
         echo "patch-llama-cpp.sh: $OPS is not the one this patch knows; attention left as it is" >&2
+    fi
+fi
+
+# D. Flash attention's order of (row, head) pairs (ggml-cpu/ops.cpp): a batch's rows went
+#    fastest, so with 8 requests' rows the heads that share a K/V head (grouped-query
+#    attention) came 8 rows apart, each after 7 other requests' cells had passed through the
+#    cache; heads now go fastest. Each pair is computed as before: results unchanged.
+ORDER_MARK='specmesh: heads fastest'
+if [ -f "$OPS" ] && ! grep -q "$ORDER_MARK" "$OPS"; then
+    CHUNK='/^static void ggml_compute_forward_flash_attn_ext_f16_one_chunk($/,/^}$/'
+    IQ2='        const int iq2 = (ir - iq3\*neq2\*neq1)\/neq1;'
+    IQ1='        const int iq1 = (ir - iq3\*neq2\*neq1 - iq2\*neq1);'
+    if [ "$(sed -n "$CHUNK{/^$IQ2\$/p;/^$IQ1\$/p}" "$OPS" | wc -l)" = 2 ]; then
+        sed -i "$CHUNK{
+s|^$IQ2\$|        const int iq1 = (ir - iq3*neq2*neq1)/neq2;  // $ORDER_MARK: GQA heads share K/V|
+s|^$IQ1\$|        const int iq2 = (ir - iq3*neq2*neq1 - iq1*neq2);|
+}" "$OPS"
+        grep -q "$ORDER_MARK" "$OPS" || echo "patch-llama-cpp.sh: $OPS: the head-order patch did not apply" >&2
+    else
+        echo "patch-llama-cpp.sh: $OPS is not the one this patch knows; head order left as it is" >&2
     fi
 fi
 
