@@ -242,9 +242,9 @@ class Stack:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline and not stopping:
                 if not child.alive():
-                    taken = any(m in child.log_tail() for m in PORT_TAKEN)
-                    raise (PortTaken if taken else RuntimeError)(f"{child.role} exited with code {child.process.returncode}:"
-                                       f"\n{child.log_tail()}")
+                    tail = child.log_tail()
+                    error = PortTaken if any(m in tail for m in PORT_TAKEN) else RuntimeError
+                    raise error(f"{child.role} exited with code {child.process.returncode}:\n{tail}")
                 with contextlib.suppress(grpc.RpcError):
                     reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
                     if reply.status == health_pb2.HealthCheckResponse.SERVING:
