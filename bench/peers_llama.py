@@ -27,7 +27,7 @@ TARGETS = ("llama-server", "llama-bench", "llama-batched-bench", "llama-speculat
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON",
                "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_UI=OFF",
                "-DLLAMA_USE_PREBUILT_UI=OFF")  # the UI would be fetched from the hub
-STAMP = "specmesh-built-5.json"  # -5: sources patched as the served backend's are (tiled Q4_1, Q6_K, attention)
+STAMP = "specmesh-built-5.json"  # -5: sources patched as the served backend's are (tiled Q4_1, Q6_K; attention: masks, head order)
 PATCH = Path(__file__).resolve().parents[1] / "deploy" / "patch-llama-cpp.sh"
 
 

@@ -35,8 +35,10 @@ from specmesh_services.launch.supervisor import supervise
 
 CLI_MODULE = "specmesh_services.launch.cli"  # children run `python -m CLI_MODULE ...`
 START_TIMEOUT_S = 300.0
-PORT_TAKEN = ("Address already in use", "cannot listen on")  # a child's log: a port chosen for
-PORT_RETRIES = 3  # it was taken before it bound it; its stage gets new ports this many times
+# what a child logs when a port chosen for it was taken before it bound it; its start stage
+# then gets new ports, at most PORT_RETRIES times
+PORT_TAKEN = ("Address already in use", "cannot listen on")
+PORT_RETRIES = 3
 STOP_TIMEOUT_S = 45.0  # the supervisor's own stop: the children's drain (drain_s + 5) + redis
 
 
