@@ -229,7 +229,12 @@ def parse(argv: list[str] | None):
                         "many groups (every k-th prompt), every engine over one group before "
                         "the next, each row summed over the groups, so host drift hits every "
                         "engine alike [1]")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    smallest = (args.mtbench + args.humaneval) // max(1, args.rounds)
+    if not args.quick and max(args.batches) > smallest:
+        parser.error(f"--rounds {args.rounds} leaves {smallest} prompts in a round, fewer than "
+                     f"batch {max(args.batches)} needs in flight: fewer rounds or more prompts")
+    return args
 
 
 def merge_rounds(rounds: list[list[dict]]) -> list[dict]:

@@ -189,3 +189,13 @@ def test_interleaved_peers_rounds_sum_into_one_row_each():
     assert failed[0]["error"] == "boom"
     lines = _rounds({"rounds": 2, "rows": rows})
     assert lines[-1] == "- specmesh plain batch 1: 0.50x, 0.67x"
+
+
+def test_peers_refuses_rounds_smaller_than_a_batch():
+    """A round of 6 prompts cannot be "batch 8": peers says so instead of mislabeling the row."""
+    from bench.peers import parse
+
+    with pytest.raises(SystemExit):
+        parse(["--mtbench", "8", "--humaneval", "4", "--rounds", "2", "--batches", "1", "8"])
+    assert parse(["--mtbench", "16", "--humaneval", "8", "--rounds", "3"]).rounds == 3
+    assert parse(["--quick", "--rounds", "2"]).quick  # a smoke run keeps its 2 prompts
