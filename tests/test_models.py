@@ -37,6 +37,16 @@ def test_eos_ids_include_the_generation_configs(target_path, tokenizer):
     assert tokenizer.eos_token_id in models.eos_token_ids(target_path, tokenizer)
 
 
+def test_a_converted_model_ends_where_llama_cpp_ends(target_path, tokenizer, gguf):
+    """The GGUF names one EOS (`<|im_end|>`); llama.cpp also ends on `<|endoftext|>` and the
+    fill-in-the-middle end tokens: the converted model stops on the same ones."""
+    from specmesh_services.common.ggml_model import end_of_generation
+
+    ends = end_of_generation(gguf)
+    assert {"<|endoftext|>", "<|im_end|>"} <= set(tokenizer.convert_ids_to_tokens(ends))
+    assert set(ends) <= set(models.eos_token_ids(target_path, tokenizer))
+
+
 def test_auto_source_is_the_models_registry_default(tmp_path):
     """speculation.source=auto drafts where the model's registry entry says (SmolLM2: the
     datastore; the Qwen targets and local directories: the draft models), or the drafts when

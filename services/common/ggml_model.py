@@ -151,6 +151,28 @@ class GgmlModel:
         return self._lc.llama_memory_seq_pos_max(self.memory, seq)
 
 
+def end_of_generation(path: Path) -> list[int]:
+    """The token ids llama.cpp ends a generation on for this GGUF file (its EOS, EOT and EOM ids
+    and the end and fill-in-the-middle tokens it recognizes by their text), read from the
+    vocabulary alone; [] where llama-cpp-python is not installed or cannot read the file."""
+    try:
+        import llama_cpp as lc
+    except ImportError:
+        return []
+    lc.llama_backend_init()
+    lc.llama_log_set(_quiet(lc), ctypes.c_void_p(0))
+    params = lc.llama_model_default_params()
+    params.vocab_only = True
+    model = lc.llama_model_load_from_file(str(path).encode(), params)
+    if not model:
+        return []
+    try:
+        vocab = lc.llama_model_get_vocab(model)
+        return [i for i in range(lc.llama_vocab_n_tokens(vocab)) if lc.llama_vocab_is_eog(vocab, i)]
+    finally:
+        lc.llama_model_free(model)
+
+
 def extra_buffers_safe(version: str) -> bool:
     """Whether llama.cpp may repack the weights into its extra buffers here. On an AMX CPU that
     means its AMX product, which raises SIGILL when GCC 12 compiled it unpatched: only builds of

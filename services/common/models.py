@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CONVERTED_MARKER = "specmesh-converted.json"
-CONVERSION_VERSION = 1
+CONVERSION_VERSION = 2  # 2: the generation config's EOS ids are llama.cpp's for the file
 
 
 @dataclass(frozen=True)
@@ -355,8 +355,23 @@ def _convert(gguf: Path, out: Path) -> None:
         del config.quantization_config
     config.dtype = "float32"
     config.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
+    _end_where_llama_cpp_ends(model.generation_config, gguf).save_pretrained(out)
     tokenizer.save_pretrained(out)
+
+
+def _end_where_llama_cpp_ends(generation, gguf: Path):
+    """The generation config with the file's end-of-generation tokens as llama.cpp reads them
+    added to its EOS ids (the GGUF names one EOS; Qwen2.5's `<|endoftext|>` and fill-in-the-middle
+    tokens end llama.cpp's generations too): the same file stops at the same token on every
+    backend. Unchanged where llama-cpp-python is not installed."""
+    from specmesh_services.common.ggml_model import end_of_generation
+
+    ends = end_of_generation(gguf)
+    if ends:
+        eos = generation.eos_token_id
+        have = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        generation.eos_token_id = sorted(set(have) | set(ends))
+    return generation
 
 
 # ---------------------------------------------------------------------------------------------
