@@ -39,11 +39,7 @@ class GgmlModel:
 
     def __init__(self, path: Path, n_ctx: int = 4096, n_batch: int = 512, n_seq_max: int = 64,
                  threads: int | None = None, embeddings: bool = False) -> None:
-        import llama_cpp as lc
-
-        self._lc = lc
-        lc.llama_backend_init()
-        lc.llama_log_set(_quiet(lc), ctypes.c_void_p(0))
+        lc = self._lc = _llama_cpp()
         params = lc.llama_model_default_params()
         # llama.cpp's repacked weights (AMX tiles on AMX CPUs) make a tree's extra rows cheap
         params.use_extra_bufts = extra_buffers_safe(lc.__version__)
@@ -155,12 +151,9 @@ def end_of_generation(path: Path) -> list[int]:
     """The token ids llama.cpp ends a generation on for this GGUF file (its EOS, EOT and EOM ids
     and the end and fill-in-the-middle tokens it recognizes by their text), read from the
     vocabulary alone; [] where llama-cpp-python is not installed or cannot read the file."""
-    try:
-        import llama_cpp as lc
-    except ImportError:
+    if available() is not None:
         return []
-    lc.llama_backend_init()
-    lc.llama_log_set(_quiet(lc), ctypes.c_void_p(0))
+    lc = _llama_cpp()
     params = lc.llama_model_default_params()
     params.vocab_only = True
     model = lc.llama_model_load_from_file(str(path).encode(), params)
@@ -202,6 +195,15 @@ def _has_amx() -> bool:
     from specmesh_kernels.cpu_probe import cpu_has
 
     return cpu_has("amx_int8", "amx_bf16", "amx_tile")
+
+
+def _llama_cpp():
+    """llama-cpp-python's module, its backend initialized and its log down to errors."""
+    import llama_cpp as lc
+
+    lc.llama_backend_init()
+    lc.llama_log_set(_quiet(lc), ctypes.c_void_p(0))
+    return lc
 
 
 _CALLBACK = []  # the log callback, kept alive while llama.cpp may call it

@@ -368,10 +368,13 @@ def _end_where_llama_cpp_ends(generation, gguf: Path):
 
     ends = end_of_generation(gguf)
     if ends:
-        eos = generation.eos_token_id
-        have = eos if isinstance(eos, list) else [] if eos is None else [eos]
-        generation.eos_token_id = sorted(set(have) | set(ends))
+        generation.eos_token_id = sorted(set(_ids(generation.eos_token_id)) | set(ends))
     return generation
+
+
+def _ids(eos: int | list[int] | None) -> list[int]:
+    """A generation config's `eos_token_id` (one id, a list or none) as a list."""
+    return eos if isinstance(eos, list) else [] if eos is None else [eos]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -496,7 +499,7 @@ def eos_token_ids(path: Path, tokenizer) -> list[int]:
         eos = GenerationConfig.from_pretrained(path).eos_token_id
     except OSError:
         eos = None
-    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    ids.update(_ids(eos))
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return sorted(ids)
