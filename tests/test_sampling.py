@@ -196,3 +196,22 @@ def test_penalized_sampler_needs_the_history_before_the_position():
         sampler.sample(torch.zeros(4), 3)
     with pytest.raises(ValueError, match="tokens before position"):
         sampler.sample(torch.zeros(4), 3, [1, 2])
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(), SamplingParams(top_k=1), SamplingParams(temperature=0.8, top_p=0.9),
+    SamplingParams(repetition_penalty=1.3), SamplingParams(temperature=1.0, top_k=5,
+                                                           presence_penalty=0.5)])
+def test_a_numpy_row_draws_what_its_tensor_draws(params):
+    """llama.cpp's logits arrive as numpy rows: greedy without penalties takes their argmax
+    directly (ties: the first index, as torch's), anything else goes through the tensor path."""
+    generator = torch.Generator().manual_seed(5)
+    rows = torch.randn(40, 64, generator=generator)
+    rows[0, [3, 9]] = rows[0].max() + 1  # a tie: the first index wins
+    history = torch.randint(0, 64, (12,), generator=generator).tolist()
+    sampler = Sampler(params, seed=11, prompt_len=4)
+    for i, row in enumerate(rows):
+        past = history if params.penalized else None  # penalties: the tokens before position 12
+        position = len(history) if past else i
+        assert sampler.sample(row.numpy(), position, past) == sampler.sample(row, position, past)
+    assert Sampler(SamplingParams(), 0).sample(rows[0].numpy(), 0) == 3

@@ -16,6 +16,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specmesh.v1 import common_pb2
@@ -189,12 +190,17 @@ class Sampler:
         """Whether `sample` reads `history` (some penalty is on); otherwise it may be None."""
         return self.params.penalized
 
-    def sample(self, logits: torch.Tensor, position: int,
+    def sample(self, logits: torch.Tensor | np.ndarray, position: int,
                history: torch.Tensor | Sequence[int] | None = None) -> int:
-        """logits: [V], the target's logits for sequence index `position`; history: ALL tokens
-        before it (prompt + generated + the tree path above the sampled node), so
-        len(history) == position. Penalties, then greedy: argmax (first index on ties, as
-        torch/HF), else a seeded draw."""
+        """logits: [V], the target's logits for sequence index `position` (a float32 numpy
+        row too: greedy without penalties never makes it a tensor, ~0.1 ms a token right after
+        a llama.cpp decode); history: ALL tokens before it (prompt + generated + the tree path
+        above the sampled node), so len(history) == position. Penalties, then greedy: argmax
+        (first index on ties, as torch/HF), else a seeded draw."""
+        if isinstance(logits, np.ndarray):
+            if self.params.greedy and not self.params.penalized:
+                return int(logits.argmax())
+            logits = torch.from_numpy(logits)
         if self.params.penalized:
             if history is None or len(history) != position:
                 raise ValueError(f"penalties need the {position} tokens before position "
