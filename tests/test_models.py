@@ -47,6 +47,26 @@ def test_a_converted_model_ends_where_llama_cpp_ends(target_path, tokenizer, ggu
     assert set(ends) <= set(models.eos_token_ids(target_path, tokenizer))
 
 
+def test_a_model_converted_without_llama_cpp_is_converted_again_once_it_is_installed(
+        tmp_path, monkeypatch, target_path):
+    """Without llama-cpp-python a conversion keeps the GGUF's one EOS id; its marker says so,
+    and the model counts as unprepared once llama-cpp-python imports (then converted again
+    with llama.cpp's stop tokens)."""
+    import json
+
+    out = models.cache_path(tmp_path, "smollm2-135m")
+    out.mkdir(parents=True)
+    marker = out / models.CONVERTED_MARKER
+    stamp = json.loads((target_path / models.CONVERTED_MARKER).read_text())
+    assert stamp["llama_cpp"] is True  # this machine's conversion read llama.cpp's list
+    for installed, llama_cpp, prepared in [(True, True, True), (False, False, True),
+                                           (True, False, False), (False, True, True)]:
+        monkeypatch.setattr(models, "_llama_cpp_installed", lambda: installed)
+        marker.write_text(json.dumps({"version": models.CONVERSION_VERSION,
+                                      "llama_cpp": llama_cpp}))
+        assert models.is_prepared("smollm2-135m", tmp_path) is prepared, (installed, llama_cpp)
+
+
 def test_auto_source_is_the_models_registry_default(tmp_path):
     """speculation.source=auto drafts where the model's registry entry says (SmolLM2: the
     datastore; the Qwen targets and local directories: the draft models), or the drafts when

@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CONVERTED_MARKER = "specmesh-converted.json"
-CONVERSION_VERSION = 2  # 2: the generation config's EOS ids are llama.cpp's for the file
+CONVERSION_VERSION = 3  # 2: the generation config's EOS ids are llama.cpp's for the file;
+# 3: the marker says whether llama-cpp-python read them (`is_prepared`)
 
 
 @dataclass(frozen=True)
@@ -280,10 +281,22 @@ def hub_snapshot(name: str) -> Path:
 
 
 def is_prepared(name: str, cache_dir: Path) -> bool:
+    """Converted by this version; one converted without llama-cpp-python (its EOS ids the
+    GGUF's alone) is converted again once llama-cpp-python is installed, so a file's stop
+    tokens do not depend on the order things were installed in."""
     marker = cache_path(cache_dir, name) / CONVERTED_MARKER
     if not marker.is_file():
         return False
-    return json.loads(marker.read_text()).get("version") == CONVERSION_VERSION
+    stamp = json.loads(marker.read_text())
+    if stamp.get("version") != CONVERSION_VERSION:
+        return False
+    return stamp.get("llama_cpp") is True or not _llama_cpp_installed()
+
+
+def _llama_cpp_installed() -> bool:
+    from specmesh_services.common.ggml_model import available
+
+    return available() is None
 
 
 def prepare(name: str, cache_dir: Path, progress: bool = True,
@@ -312,7 +325,7 @@ def _prepare_locked(source: ModelSource, inputs: list[Path], out: Path, progress
         _convert(gguf, staging)
         (staging / CONVERTED_MARKER).write_text(json.dumps(
             {"version": CONVERSION_VERSION, "model": name, "title": source.title,
-             "from": [str(p) for p in inputs]}, indent=1))
+             "from": [str(p) for p in inputs], "llama_cpp": _llama_cpp_installed()}, indent=1))
         if out.exists():
             shutil.rmtree(out)
         os.replace(staging, out)  # atomic: a half-written directory is never seen as prepared
