@@ -51,19 +51,22 @@ def test_a_model_converted_without_llama_cpp_is_converted_again_once_it_is_insta
         tmp_path, monkeypatch, target_path):
     """Without llama-cpp-python a conversion keeps the GGUF's one EOS id; its marker says so,
     and the model counts as unprepared once llama-cpp-python imports (then converted again
-    with llama.cpp's stop tokens)."""
+    with llama.cpp's stop tokens). A marker from before the field counts as read by it."""
     import json
 
     out = models.cache_path(tmp_path, "smollm2-135m")
     out.mkdir(parents=True)
     marker = out / models.CONVERTED_MARKER
     stamp = json.loads((target_path / models.CONVERTED_MARKER).read_text())
-    assert stamp["llama_cpp"] is True  # this machine's conversion read llama.cpp's list
+    assert stamp.get("llama_cpp", True) is True  # this machine's conversion read llama.cpp's
     for installed, llama_cpp, prepared in [(True, True, True), (False, False, True),
-                                           (True, False, False), (False, True, True)]:
+                                           (True, False, False), (False, True, True),
+                                           (True, None, True)]:
         monkeypatch.setattr(models, "_llama_cpp_installed", lambda: installed)
-        marker.write_text(json.dumps({"version": models.CONVERSION_VERSION,
-                                      "llama_cpp": llama_cpp}))
+        fields = {"version": models.CONVERSION_VERSION}
+        if llama_cpp is not None:  # None: a marker written before the field
+            fields["llama_cpp"] = llama_cpp
+        marker.write_text(json.dumps(fields))
         assert models.is_prepared("smollm2-135m", tmp_path) is prepared, (installed, llama_cpp)
 
 

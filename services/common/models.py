@@ -39,8 +39,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CONVERTED_MARKER = "specmesh-converted.json"
-CONVERSION_VERSION = 3  # 2: the generation config's EOS ids are llama.cpp's for the file;
-# 3: the marker says whether llama-cpp-python read them (`is_prepared`)
+CONVERSION_VERSION = 2  # 2: the generation config's EOS ids are llama.cpp's for the file
 
 
 @dataclass(frozen=True)
@@ -290,7 +289,8 @@ def is_prepared(name: str, cache_dir: Path) -> bool:
     stamp = json.loads(marker.read_text())
     if stamp.get("version") != CONVERSION_VERSION:
         return False
-    return stamp.get("llama_cpp") is True or not _llama_cpp_installed()
+    # a marker without the field was written where `make setup` had installed llama-cpp-python
+    return stamp.get("llama_cpp", True) or not _llama_cpp_installed()
 
 
 def _llama_cpp_installed() -> bool:
