@@ -218,8 +218,7 @@ class GgmlEngine(VerifierEngine):
         tokens = []
         for request_id, req, k, row in zip(request_ids, reqs, n, logits):
             sampler = req.sampler
-            tokens.append(sampler.sample(row, k,
-                                         req.tokens if sampler.needs_history else None))
+            tokens.append(sampler.sample(row, k, req.tokens if sampler.needs_history else None))
             req.tokens.append(tokens[-1])
             req.last_used = time.monotonic()
             store.lengths[request_id] = k
