@@ -135,7 +135,7 @@ def test_plain_runs_decode_in_one_call_a_round_as_the_step_does(gguf, prompts, p
     (same rows, same sampler)."""
     model = GgmlModel(gguf, n_ctx=4096, n_batch=512, n_seq_max=256, threads=2)
     engine = GgmlEngine(GgmlLM(model, "smollm2-135m", 8192),
-                        limits=EngineLimits(kv_budget_tokens=3072))
+                        limits=EngineLimits(kv_budget_tokens=3072, run_lookup=0))
     generic, generic_step = VerifierEngine._plain_round, VerifierEngine.step
     monkeypatch.setattr(VerifierEngine, "_plain_round", lambda *a: pytest.fail("generic round"))
     steps = []
@@ -154,6 +154,45 @@ def test_plain_runs_decode_in_one_call_a_round_as_the_step_does(gguf, prompts, p
     monkeypatch.setattr(GgmlEngine, "_plain_round", generic)
     monkeypatch.setattr(GgmlEngine, "step", generic_step)
     assert plain_runs(engine, {"s": prompts[names[0]]}, sampled) == lean
+    assert engine.store.used_blocks == 0 and sorted(engine.store.free_seqs) == list(range(256))
+    model.close()
+
+
+def test_prompt_lookup_in_plain_runs_changes_no_token(gguf, prompts, plain_greedy, tokenizer,
+                                                     monkeypatch):
+    """Plain runs with prompt lookup (chains of what followed a request's last 3 tokens before,
+    verified in the runs' rounds, every one the lookup finds, in one llama_decode a round):
+    greedy outputs are llama.cpp's plain decoding (or a near-tie); a sampled, penalized request
+    draws what it draws with the generic step's walk and without lookup (where a row's logits
+    do not depend on the rows beside it: the patched kernels without AMX); on a prompt that
+    repeats itself chains are drafted and tokens of them accepted."""
+    import llama_cpp as lc
+
+    from specmesh_services.common import ggml_model
+
+    model = GgmlModel(gguf, n_ctx=4096, n_batch=512, n_seq_max=256, threads=2)
+    engine = GgmlEngine(GgmlLM(model, "smollm2-135m", 8192),
+                        limits=EngineLimits(kv_budget_tokens=3072))
+    engine.lookup_gate.length = lambda rows, tokens, available: (available, 0.0)  # every chain
+    chains, direct = [], GgmlEngine._chain_round
+
+    def chain_round(self, request_ids, found):
+        out = direct(self, request_ids, found)
+        chains.extend((len(c), len(t) - 1) for c, t in zip(found, out) if c and t)
+        return out
+    monkeypatch.setattr(GgmlEngine, "_chain_round", chain_round)
+    assert assert_plain_or_tie(plain_runs(engine, prompts), plain_greedy) >= 1
+    counting = tokenizer("one two three four five six seven eight nine ten. " * 3).input_ids
+    assert_plain_or_tie(plain_runs(engine, {"count": counting}),
+                        plain_decoding(gguf, {"count": counting}))
+    assert chains and any(accepted for _, accepted in chains), chains
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.3)
+    looked = plain_runs(engine, {"s": prompts["q0"]}, sampled)
+    monkeypatch.setattr(GgmlEngine, "_chain_round", VerifierEngine._chain_round)
+    walked = plain_runs(engine, {"s": prompts["q0"]}, sampled)
+    engine.limits = EngineLimits(kv_budget_tokens=3072, run_lookup=0)
+    if "+specmesh" in lc.__version__ and not ggml_model._has_amx():
+        assert plain_runs(engine, {"s": prompts["q0"]}, sampled) == walked == looked
     assert engine.store.used_blocks == 0 and sorted(engine.store.free_seqs) == list(range(256))
     model.close()
 

@@ -191,6 +191,12 @@ class VerifierSettings(Section):
                              "token is among its parent's k likeliest by the early head")
     prune_layer: int | None = Field(None, ge=1, description="early pruning with prune=on: the "
                                     "cached early head of this layer (default: the lowest)")
+    run_lookup: int = Field(3, ge=0, description="prompt lookup in plain runs: where a "
+                            "request's last n tokens occurred before in its prompt or output, "
+                            "the tokens that followed are verified as a chain in the run's next "
+                            "forward (llama.cpp's ngram-simple); n, 0 = off")
+    run_lookup_tokens: int = Field(5, ge=1, description="prompt lookup in plain runs: tokens "
+                                   "drafted a lookup at most")
     claim_idle_s: float = Field(30.0, gt=0, description="re-claim drafts unacknowledged this long")
     max_deliveries: int = Field(5, ge=1, description="a draft delivered this many times without "
                                 "being verified (every verifier that took it died or failed on "

@@ -223,6 +223,11 @@ class VerifierMetrics:
                                  registry=r)
         self.evictions = Gauge("specmesh_verifier_evictions", "requests evicted since start",
                                registry=r)
+        self.lookup_drafted = Gauge("specmesh_verifier_lookup_drafted_tokens", "tokens prompt "
+                                    "lookup drafted in plain runs and the verifier verified, "
+                                    "since start", registry=r)
+        self.lookup_accepted = Gauge("specmesh_verifier_lookup_accepted_tokens", "of those, "
+                                     "tokens the target accepted, since start", registry=r)
         self.judged = Gauge("specmesh_verifier_prune_judged_nodes", "tree nodes the early "
                             "pruning head judged since start", registry=r)
         self.pruned = Gauge("specmesh_verifier_pruned_nodes", "tree nodes early pruning removed "
@@ -253,6 +258,8 @@ class VerifierMetrics:
         self.kv_capacity.set(store.capacity)
         self.kv_usage.set(store.used_blocks * store.block_size / max(store.capacity, 1))
         self.evictions.set(engine.evictions)
+        self.lookup_drafted.set(engine.lookup_drafted)
+        self.lookup_accepted.set(engine.lookup_accepted)
         if self._cost_of is not engine:
             self._bind_cost(engine)
 

@@ -23,6 +23,7 @@ from specmesh_services.common.sampling import Sampler, SamplingParams
 from specmesh_services.common.tree import CompiledTree, TokenTree, compile_tree
 from specmesh_services.verifier.cost import VerifyCostModel
 from specmesh_services.verifier.kv import KVStore
+from specmesh_services.verifier.lookup import LookupGate, NgramLookup
 from specmesh_services.verifier.packed import PackedTarget, Segment
 from specmesh_services.verifier.walk import WalkResult, row_draws, walk, walk_draws
 from specmesh.v1 import pool_pb2
@@ -41,6 +42,7 @@ class RequestKV:
     # final hidden states of the last step's root and accepted nodes (lean target only): what
     # draft heads condition on
     hidden: torch.Tensor | None = None
+    lookup: NgramLookup | None = None  # plain runs' prompt lookup (`lookup.py`), made on first use
 
     @property
     def generated(self) -> int:
@@ -91,6 +93,8 @@ class EngineLimits:
     max_batch_tokens: int = 1024  # new rows per forward pass (trees + prefill chunks)
     max_batch_trees: int = 64  # requests per forward pass
     graph_rows: int = 512  # CUDA, lean target: steps of up to this many rows replay graphs (0: off)
+    run_lookup: int = 3  # plain runs draft from the request's own n-grams of this length (0: off)
+    run_lookup_tokens: int = 5  # at most this many tokens a lookup
 
 
 @dataclass
@@ -116,6 +120,8 @@ class VerifierEngine:
         # GPU); else the walk samples the rows it visits (fewer products on a CPU)
         self.row_parallel_walk = lm.device.type == "cuda"
         self.cost = VerifyCostModel()
+        self.lookup_gate = LookupGate(self.limits.run_lookup_tokens)  # plain runs' prompt lookup
+        self.lookup_drafted = self.lookup_accepted = 0  # its tokens verified, accepted
         self.steps = 0
         self.last_step: StepStats | None = None
         self.prefill_rows = 0
@@ -406,7 +412,9 @@ class VerifierEngine:
         """Entries of empty trees with `plain_tokens` > 1 decode on, one forward for all of
         them a round (their tokens in `continued`), until each has its tokens or ends (a stop
         token; a deferred or failed round keeps what it has): several plain tokens for one pool
-        round trip. Only in a step without trees, whose requests would wait for the runs."""
+        round trip. Only in a step without trees, whose requests would wait for the runs. A
+        request whose last n-gram occurred before gets its continuation verified as a chain in
+        the round (`lookup.py`): up to that many more tokens for the round's forward."""
         if any(len(entry.tree.tokens) for entry in entries):
             return
         runs = {entry.request_id: (i, entry.plain_tokens - 1)
@@ -415,14 +423,58 @@ class VerifierEngine:
                 and not entry.heads_nodes and done[0].bonus not in entry.stop_token_ids}
         while runs:
             ids = list(runs)
-            for request_id, token in zip(ids, self._plain_round(ids)):
+            for request_id, tokens in zip(ids, self._run_round(ids, [runs[r][1] for r in ids])):
                 i, left = runs.pop(request_id)
-                if token is None:
+                if not tokens:
                     continue
-                out[i][0].continued.append(token)
-                out[i][1].append(token)
-                if left > 1 and token not in entries[i].stop_token_ids:
-                    runs[request_id] = (i, left - 1)
+                stop = entries[i].stop_token_ids
+                ends = next((k + 1 for k, t in enumerate(tokens) if t in stop), None)
+                tokens = tokens[:ends]
+                out[i][0].continued.extend(tokens)
+                out[i][1].extend(tokens)
+                if left > len(tokens) and ends is None:
+                    runs[request_id] = (i, left - len(tokens))
+
+    def _run_round(self, request_ids: list[str], left: list[int]) -> list[list[int]]:
+        """One round of plain runs: each request's next tokens, at most its `left` ([]: deferred
+        or failed: its run ends); a chain from prompt lookup where a request has one and the
+        gate finds it pays (`lookup.LookupGate`)."""
+        start, gate = time.perf_counter(), self.lookup_gate
+        chains, rows, expected = [], len(request_ids), float(len(request_ids))
+        for request_id, k in zip(request_ids, left):
+            found = self._lookup(request_id, k - 1)
+            length, gain = gate.length(rows, expected, len(found)) if found else (0, 0.0)
+            chains.append(found[:length])
+            rows, expected = rows + length, expected + gain
+        if not any(chains):
+            out = [[] if t is None else [t] for t in self._plain_round(request_ids)]
+        else:
+            out = self._chain_round(request_ids, chains)
+            for chain, tokens in zip(chains, out):
+                if chain and tokens:
+                    gate.observe_chain(len(chain), len(tokens) - 1)
+                    self.lookup_drafted += len(chain)
+                    self.lookup_accepted += len(tokens) - 1
+        gate.observe_round(rows, time.perf_counter() - start)
+        return out
+
+    def _chain_round(self, request_ids: list[str], chains: list[list[int]]) -> list[list[int]]:
+        """A round of plain runs in which some requests verify a lookup chain (others an empty
+        tree): each request's accepted tokens and bonus ([]: deferred or failed)."""
+        stepped = self.step([(r, TokenTree(tuple(c), tuple(range(-1, len(c) - 1))))
+                             for r, c in zip(request_ids, chains)])
+        return [[] if s.outcome is None else [*s.outcome.walk.tokens, s.outcome.walk.bonus]
+                for s in stepped]
+
+    def _lookup(self, request_id: str, limit: int) -> list[int]:
+        """The chain prompt lookup drafts for a request's next round (up to `limit` tokens)."""
+        n = self.limits.run_lookup
+        req = self.requests.get(request_id)
+        if not n or limit <= 0 or req is None:
+            return []
+        if req.lookup is None:
+            req.lookup = NgramLookup(n)
+        return req.lookup.draft(req.tokens, min(limit, self.limits.run_lookup_tokens))
 
     def _plain_round(self, request_ids: list[str]) -> list[int | None]:
         """One more token of each request, decoded in one step without trees (None: deferred
