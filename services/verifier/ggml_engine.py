@@ -204,44 +204,28 @@ class GgmlEngine(VerifierEngine):
         sequence, sampled by the request's sampler: the generic step's planning, tree, walk and
         commit cost ~0.4 ms a token beside SmolLM2's 6-9 ms decode. None, doing nothing, where
         a request is not ready for it (unknown, KV behind, no room: the generic step's)."""
+        out = self._decode_chains(request_ids, [[]] * len(request_ids))
+        return None if out is None else [tokens[0] for tokens in out]
+
+    def _chain_round(self, request_ids: list[str], chains: list[list[int]]) -> list[list[int]]:
+        """A plain-run round with lookup chains as one `llama_decode` (`_decode_chains`): the
+        generic step's planning, tree and walk cost ~1.5 ms a round beside SmolLM2's decode.
+        The generic step where a request is not ready for it or the target serves heads."""
+        out = None if self.lm.model.embeddings else self._decode_chains(request_ids, chains)
+        return out if out is not None else super()._chain_round(request_ids, chains)
+
+    def _decode_chains(self, request_ids: list[str], chains: list[list[int]]
+                       ) -> list[list[int]] | None:
+        """One `llama_decode` of each request's last token and its chain in its own sequence
+        (a chain needs no sequence sets), every row sampled in turn by the request's sampler
+        while it draws the chain's next token, the rejected rows' cells removed: each request's
+        accepted tokens and next token. None, doing nothing, where a request is not ready."""
         start = time.perf_counter()
         store, reqs = self.store, [self.requests.get(r) for r in request_ids]
         if not all(req is not None and store.length(r) == len(req.tokens) - 1
-                   and store.reserve(r, len(req.tokens)) for r, req in zip(request_ids, reqs)):
+                   and store.reserve(r, len(req.tokens) + len(c))
+                   for r, req, c in zip(request_ids, reqs, chains)):
             return None
-        n = [len(req.tokens) for req in reqs]
-        forward_start = time.perf_counter()
-        logits = self.lm.model.decode([req.tokens[-1] for req in reqs], [k - 1 for k in n],
-                                      [[store.sequence(r)] for r in request_ids],
-                                      [True] * len(reqs))
-        forward_end = time.perf_counter()
-        tokens = []
-        for request_id, req, k, row in zip(request_ids, reqs, n, logits):
-            sampler = req.sampler
-            tokens.append(sampler.sample(row, k, req.tokens if sampler.needs_history else None))
-            req.tokens.append(tokens[-1])
-            req.last_used = time.monotonic()
-            store.lengths[request_id] = k
-            store.truncate_blocks(request_id)
-        rows = len(reqs)
-        self._record(StepStats(rows, sum(n), rows, rows, forward_end - start,
-                               forward_end - forward_start, time.perf_counter() - forward_end))
-        return tokens
-
-
-    def _chain_round(self, request_ids: list[str], chains: list[list[int]]) -> list[list[int]]:
-        """A plain-run round with lookup chains as one `llama_decode`: each request's last
-        token and its chain in its own sequence (a chain needs no sequence sets), every row
-        sampled in turn by the request's sampler while it draws the chain's next token, the
-        rejected rows' cells removed: the generic step's planning, tree and walk cost ~1.5 ms a
-        round beside SmolLM2's decode. The generic step where a request is not ready for it."""
-        start = time.perf_counter()
-        store, reqs = self.store, [self.requests.get(r) for r in request_ids]
-        if self.lm.model.embeddings or not all(
-                req is not None and store.length(r) == len(req.tokens) - 1
-                and store.reserve(r, len(req.tokens) + len(c))
-                for r, req, c in zip(request_ids, reqs, chains)):
-            return super()._chain_round(request_ids, chains)
         tokens, positions, sequences, context = [], [], [], 0
         for request_id, req, chain in zip(request_ids, reqs, chains):
             n = len(req.tokens)
@@ -262,7 +246,10 @@ class GgmlEngine(VerifierEngine):
                 if j == len(chain) or emitted[-1] != chain[j]:
                     break
             row += len(chain) + 1
-            store.set_length(request_id, len(req.tokens) - 1)
+            if len(emitted) <= len(chain):  # rows rejected: their cells go
+                store.set_length(request_id, len(req.tokens) - 1)
+            else:
+                store.lengths[request_id] = len(req.tokens) - 1
             store.truncate_blocks(request_id)
             req.last_used = time.monotonic()
             out.append(emitted)
