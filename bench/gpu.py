@@ -32,7 +32,7 @@ from bench.batch import _until_eos
 from bench.run import RESULTS, Config, MethodResult, Prompt, _record, mtbench_prompts
 from bench.step_time import host
 from specmesh_services.common import models
-from specmesh_services.common.config import Settings
+from specmesh_services.common.config import PLAIN_DECODING, Settings
 from specmesh_services.common.device import resolve_device
 from specmesh_services.common.serving import compute_executor
 from specmesh_services.launch.redis_server import find_redis_server
@@ -222,7 +222,7 @@ def mesh_rows(config: Config, prompts: list[Prompt], base: Settings, batch: int,
     from bench.router import run_mesh
 
     rows = []
-    for method, settings in (("mesh-off", base.with_overrides(**{"speculation.depth": 0})),
+    for method, settings in (("mesh-off", base.with_overrides(**PLAIN_DECODING)),
                              ("mesh-default", base)):
         for c in (1, batch):
             say(f"{LABELS[method]}, batch {c}")

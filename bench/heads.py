@@ -19,7 +19,7 @@ from pathlib import Path
 from bench.router import run_mesh
 from bench.run import Config, load_prompts, save_report
 from specmesh_services.common import models
-from specmesh_services.common.config import Settings
+from specmesh_services.common.config import PLAIN_DECODING, Settings
 from specmesh_services.common.serving import compute_executor
 
 MODES = ("default", "heads", "heads+datastore")
@@ -37,7 +37,7 @@ def prune_settings(settings: Settings, prune: str) -> Settings:
 
 def mode_settings(base: Settings, mode: str, heads: str) -> Settings:
     if mode == "plain":
-        return base.with_overrides(**{"speculation.depth": 0})
+        return base.with_overrides(**PLAIN_DECODING)
     if mode == "default":
         return base
     source = "both" if mode == "heads+datastore" else "model"

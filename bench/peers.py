@@ -21,7 +21,7 @@ from dataclasses import replace
 from bench import peers_llama, peers_report, peers_vllm
 from bench.run import RESULTS, Config, MethodResult, Prompt, load_prompts, save_report
 from specmesh_services.common import models
-from specmesh_services.common.config import Settings
+from specmesh_services.common.config import PLAIN_DECODING, Settings
 from specmesh_services.common.serving import compute_executor
 
 ENGINES = ("transformers", "specmesh", "specmesh-ggml", "llama.cpp", "vllm")
@@ -105,7 +105,7 @@ class Bench:
         engine = "specmesh-ggml" if runner == "ggml" else "specmesh"
         settings = Settings(model=self.config.model, dtype=self.args.dtype, target_runner=runner)
         path = models.resolve(self.config.model, settings.cache_dir)
-        plain = settings.with_overrides(**{"speculation.depth": 0})
+        plain = settings.with_overrides(**PLAIN_DECODING)
         for mode, mesh in (("plain", plain), ("default", settings)):
             if served_runner(mesh) == "ggml":
                 weights = f"GGUF {peers_llama.quant(models.gguf_file(mesh.model, mesh.cache_dir))}"

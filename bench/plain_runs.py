@@ -1,6 +1,6 @@
-"""Plain runs A/B (docs/decisions/plain-runs.md): one embedded mesh at speculation depth 0, the
-router's `speculation.plain_tokens` switched between prompt groups in turn (ABC, CBA, ...), so
-the host's drift falls on every value alike; tok/s per value with prefill, c in flight.
+"""Plain runs A/B (docs/decisions/plain-runs.md): one embedded mesh decoding plainly (depth 0,
+no lookup), the router's `speculation.plain_tokens` switched between prompt groups in turn (ABC,
+CBA, ...), so the host's drift falls on every value alike; tok/s per value with prefill, c in flight.
 
     python -m bench.plain_runs --target-runner ggml --values 1 4 8 --concurrency 1
     python -m bench.plain_runs --quick
@@ -12,7 +12,7 @@ import asyncio
 import time
 from dataclasses import replace
 
-from specmesh_services.common.config import Settings
+from specmesh_services.common.config import PLAIN_DECODING, Settings
 from specmesh_services.common.prompts import humaneval_problems, mtbench_questions
 from specmesh_services.common.serving import compute_executor
 from specmesh_services.launch.embedded import EmbeddedMesh
@@ -21,8 +21,8 @@ from specmesh_services.launch.embedded import EmbeddedMesh
 async def measure(args) -> dict[int, tuple[int, float]]:
     prompts = ([q["turns"][0] for q in mtbench_questions()[:args.mtbench]]
                + [p["prompt"] for p in humaneval_problems()[:args.humaneval]])
-    settings = Settings(model=args.model, target_runner=args.target_runner,
-                        speculation={"depth": 0})
+    settings = Settings(model=args.model, target_runner=args.target_runner
+                        ).with_overrides(**PLAIN_DECODING)
     totals = {v: (0, 0.0) for v in args.values}
     async with EmbeddedMesh.start(settings, compute_executor()) as mesh:
         router = mesh.router

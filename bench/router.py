@@ -27,7 +27,7 @@ from bench.batch import run_plain
 from bench.run import (RESULTS, Config, MethodResult, Prompt, _record, load_prompts,
                        run_hf_methods, save_report)
 from specmesh_services.common import models
-from specmesh_services.common.config import Settings
+from specmesh_services.common.config import PLAIN_DECODING, Settings
 from specmesh_services.common.serving import compute_executor
 from specmesh_services.verifier.server import served_weights
 
@@ -54,7 +54,7 @@ def ablation(drafts: tuple[str, str], nodes: int, model: str) -> list[tuple[str,
     # what `up` serves: the model's default source (a given draft would make auto the model)
     default = ({"drafters": [drafts[0]]},
                {"speculation.source": models.serving_source(model, "auto")})
-    return [("mesh-plain", {}, {"speculation.depth": 0}), ("fixed", *one), ("default", *default),
+    return [("mesh-plain", {}, PLAIN_DECODING), ("fixed", *one), ("default", *default),
             ("+voting", many, vote),
             ("+bandit", many, bandit),
             ("+adaptive", many, adaptive), ("+pipeline", many, full),

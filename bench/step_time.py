@@ -29,7 +29,8 @@ from specmesh_services.common import models
 from specmesh_services.common.config import Settings
 from specmesh_services.common.serving import compute_executor
 
-MODES = {"default": "speculation (serving defaults)", "mesh-plain": "speculation off (depth 0)"}
+MODES = {"default": "speculation (serving defaults)",
+         "mesh-plain": "speculation off (depth 0, no lookup)"}
 # the compute thread's labels (its jobs never overlap); they win over the event loop's
 COMPUTE = ("verifier-step", "verifier-other", "drafting", "compute-other")
 ROWS = [("forward", "target forward"), ("attention", "  attention (backend kernel)"),

@@ -14,6 +14,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from specmesh_services.common.config import PLAIN_DECODING
 from specmesh_services.common.sampling import Sampler, SamplingParams, probabilities
 from specmesh_services.common.tree import compile_tree
 from specmesh_services.drafter.engine import Coupling, DraftModel
@@ -167,7 +168,7 @@ def test_the_mesh_samples_the_same_tokens_with_any_draft_and_couples_its_drafts(
         "speculation.depth": 4, "speculation.width": 1})
     runs = {"coupled": draft, "uncoupled": draft.with_overrides(**{"speculation.coupled": False}),
             "ahead": draft.with_overrides(**{"speculation.prespeculate": True}),
-            "plain": base_settings.with_overrides(**{"speculation.depth": 0})}
+            "plain": base_settings.with_overrides(**PLAIN_DECODING)}
     sampling = dict(temperature=1.0, top_p=0.95, top_k=50, max_tokens=16)
 
     async def run(settings, concurrency):

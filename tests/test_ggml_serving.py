@@ -14,7 +14,7 @@ import torch
 
 from specmesh_services.common import models
 from specmesh_services.common.device import check
-from specmesh_services.common.config import Settings, SettingsError
+from specmesh_services.common.config import PLAIN_DECODING, Settings, SettingsError
 from specmesh_services.launch.embedded import EmbeddedMesh
 from specmesh_services.common import ggml_model
 from specmesh_services.common.ggml_model import GgmlModel, available
@@ -111,7 +111,7 @@ def test_a_gguf_file_is_a_model_served_by_llama_cpp(questions, compute, referenc
     one request decoded plainly is llama.cpp's own greedy decoding, token for token."""
     gguf = models.gguf_inputs(models.REGISTRY["smollm2-135m"])[0]
     settings = Settings(model=str(gguf), cache_dir=tmp_path).with_overrides(
-        **{"speculation.depth": 0})
+        **PLAIN_DECODING)
     assert served_runner(settings) == "ggml"
     assert served_runner(settings.with_overrides(dtype="float32")) == "auto"
     # the registry's choice for the default model: llama.cpp

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 from specmesh.v1 import pool_pb2
+from specmesh_services.common.config import PLAIN_DECODING
 from specmesh_services.launch.embedded import EmbeddedMesh
 from specmesh_services.verifier.engine import VerifierEngine
 
@@ -57,8 +58,8 @@ def test_runs_decode_the_targets_greedy_tokens_and_end_at_stops(target_lm, chat_
 
 def test_plain_mesh_equals_the_target_in_fewer_steps(base_settings, questions,
                                                      hf_greedy_reference, compute):
-    settings = base_settings.with_overrides(**{"speculation.depth": 0,
-                                               "speculation.plain_tokens": 5})
+    settings = base_settings.with_overrides(**PLAIN_DECODING,
+                                               **{"speculation.plain_tokens": 5})
 
     async def run():
         async with EmbeddedMesh.start(settings, compute) as mesh:

@@ -19,6 +19,7 @@ from test_lean_target import chain, tree
 from specmesh_kernels.backend import select_attention_backend
 from specmesh_kernels.tree_attention import tree_attention_exact
 from specmesh_kernels.linear_rules import native_supports
+from specmesh_services.common.config import PLAIN_DECODING
 from specmesh_services.verifier.engine import EngineLimits, VerifierEngine
 from specmesh_services.verifier.server import load_target
 
@@ -120,6 +121,6 @@ def test_serving_defaults_equal_plain_decoding(base_settings, compute, questions
             return got, drafted
 
     speculative, drafted = asyncio.run(outputs(served))
-    plain, _ = asyncio.run(outputs(served.with_overrides(**{"speculation.depth": 0})))
+    plain, _ = asyncio.run(outputs(served.with_overrides(**PLAIN_DECODING)))
     assert drafted > 0, "the serving defaults drafted nothing"
     assert speculative == plain

@@ -30,6 +30,9 @@ ENV_PREFIX = "SPECMESH_"
 
 
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")  # the device setting's values
+# overrides for decoding without speculation: no draft trees and no prompt lookup in plain runs
+# (the baseline every benchmark's "plain" row measures)
+PLAIN_DECODING = {"speculation.depth": 0, "verifier.run_lookup": 0}
 
 
 class SettingsError(ValueError):
