@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from specmesh.v1 import pool_pb2
 from specmesh_services.common.config import PLAIN_DECODING
 from specmesh_services.launch.embedded import EmbeddedMesh
@@ -56,10 +58,13 @@ def test_runs_decode_the_targets_greedy_tokens_and_end_at_stops(target_lm, chat_
     compute.submit(run).result()
 
 
+@pytest.mark.parametrize("run_seconds", [0.0, 1e-6, 60.0])
 def test_plain_mesh_equals_the_target_in_fewer_steps(base_settings, questions,
-                                                     hf_greedy_reference, compute):
-    settings = base_settings.with_overrides(**PLAIN_DECODING,
-                                               **{"speculation.plain_tokens": 5})
+                                                     hf_greedy_reference, compute, run_seconds):
+    """Runs of `plain_tokens`; with `plain_run_seconds` longer where the request's measured
+    plain tokens fit in it (60 s: the whole output after the first run), never shorter."""
+    settings = base_settings.with_overrides(**PLAIN_DECODING, **{
+        "speculation.plain_tokens": 5, "speculation.plain_run_seconds": run_seconds})
 
     async def run():
         async with EmbeddedMesh.start(settings, compute) as mesh:
@@ -70,4 +75,7 @@ def test_plain_mesh_equals_the_target_in_fewer_steps(base_settings, questions,
         emitted = [d.emitted for d in r.stats.decisions]
         assert sum(emitted) >= r.stats.completion_tokens == len(r.token_ids)
         assert emitted[0] == 1  # the first step's token streams at once
-        assert max(emitted) == 5 and len(emitted) < len(r.token_ids) / 3
+        if run_seconds < 1:
+            assert max(emitted) == 5 and len(emitted) < len(r.token_ids) / 3
+        elif len(r.token_ids) > 6:  # the first token, a run of 5, then the rest at once
+            assert emitted[:3] == [1, 5, len(r.token_ids) - 6], emitted

@@ -57,6 +57,11 @@ class SpeculationSettings(Section):
                               "or speculation not paying for the request) decodes up to this "
                               "many tokens one after another in the verifier, answering once "
                               "(1 = one token a round trip)")
+    # bounded by time: 1.02-1.07x fixed runs of 4 on SmolLM2 (docs/decisions/plain-runs.md)
+    plain_run_seconds: float = Field(0.06, ge=0, description="a plain run goes on past "
+                                     "plain_tokens while its tokens, at the request's measured "
+                                     "seconds a plain token, fit in this long (a run's tokens "
+                                     "reach the client together); 0 = plain_tokens exactly")
     min_probability: float = Field(
         0.6, ge=0, lt=1, description="draft models stop below the first level whose likeliest "
                                      "node they give less than this probability (HF assisted "

@@ -39,6 +39,7 @@ GROUPS: dict[str, tuple[str, tuple[Flag, ...]]] = {
         Flag("drafters", "--draft", "SPEC"), Flag("draft_vocab", metavar="N"),
         Flag("speculation.depth", metavar="N"), Flag("speculation.width", metavar="N"),
         Flag("speculation.plain_tokens", metavar="N"),
+        Flag("speculation.plain_run_seconds", metavar="S"),
         Flag("speculation.min_probability", metavar="P"),
         Flag("speculation.source", "--speculate"), Flag("speculation.max_nodes", metavar="N"),
         Flag("speculation.tree_size"), Flag("speculation.selection", "--select"),

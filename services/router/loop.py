@@ -34,6 +34,7 @@ from specmesh.types import finish_reason_name
 from specmesh.v1 import common_pb2, pool_pb2, router_pb2
 
 tracer = telemetry.tracer(__name__)
+MAX_PLAIN_RUN = 64  # tokens a plain run decodes at most (plain_tokens' own limit)
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,7 @@ class RequestLoop:
         self.sizings: dict[str, RequestSizing] = {}  # per arm
         self.decisions: list[common_pb2.StepDecision] = []
         self.last_chunk = 0.0  # perf_counter of the last chunk streamed (inter-token latency)
+        self.plain_token_seconds = 0.0  # a token of this request's plain runs (EMA; 0: unmeasured)
         self.drafting = DraftStage(services, request_id, lambda: self.prompt + self.generated,
                                    sampling)
 
@@ -284,6 +286,10 @@ class RequestLoop:
         plain step decoded on)."""
         emitted = [*result.accepted, result.bonus, *result.continued]
         seconds = time.perf_counter() - plan.started
+        if plan.step and not len(drafted.tree):  # a plain run: its rounds and its round trip
+            per_token = seconds / len(emitted)
+            self.plain_token_seconds = (per_token if not self.plain_token_seconds else
+                                        0.5 * (self.plain_token_seconds + per_token))
         choice, arm, tree = plan.choice, plan.arm_name, drafted.tree
         verified = (VerifyStep(result.verify_seconds, result.batch_rows, result.batch_trees,
                                result.batch_nodes, result.verifier, result.row_seconds,
@@ -373,13 +379,19 @@ class RequestLoop:
                        switch_seconds=self.drafting.switch_seconds(arm))
 
     def _plain_tokens(self, step: int, drafted: Drafted, heads_nodes: int) -> int:
-        """How many tokens a plain step may decode before the verifier answers: the setting,
-        within the request's token limit; one for the first step (its token streams at once),
-        where there is a tree, or where the heads draft below this step's bonus."""
+        """How many tokens a plain step may decode before the verifier answers: `plain_tokens`,
+        more while they fit in `plain_run_seconds` at this request's measured plain token
+        (fewer round trips a token on fast targets, no longer bursts on slow ones), within the
+        request's token limit; one for the first step (its token streams at once), where there
+        is a tree, or where the heads draft below this step's bonus."""
         if step == 0 or len(drafted.tree) or heads_nodes:
             return 1
-        return max(1, min(self.services.speculation.plain_tokens,
-                          self.max_new - len(self.generated)))
+        speculation = self.services.speculation
+        runs = speculation.plain_tokens
+        if speculation.plain_run_seconds > 0 and self.plain_token_seconds > 0:
+            runs = max(runs, min(MAX_PLAIN_RUN,
+                                 int(speculation.plain_run_seconds / self.plain_token_seconds)))
+        return max(1, min(runs, self.max_new - len(self.generated)))
 
     def _heads_nodes(self, choice: StepChoice) -> int:
         """The node limit of the tree the verifier's heads draft with this step's result, for
