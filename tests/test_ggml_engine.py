@@ -136,8 +136,8 @@ def test_plain_runs_decode_in_one_call_a_round_as_the_step_does(gguf, prompts, p
     model = GgmlModel(gguf, n_ctx=4096, n_batch=512, n_seq_max=256, threads=2)
     engine = GgmlEngine(GgmlLM(model, "smollm2-135m", 8192),
                         limits=EngineLimits(kv_budget_tokens=3072, run_lookup=0))
-    generic, generic_step = VerifierEngine._plain_round, VerifierEngine.step
-    monkeypatch.setattr(VerifierEngine, "_plain_round", lambda *a: pytest.fail("generic round"))
+    generic, generic_step = VerifierEngine._chain_round, VerifierEngine.step
+    monkeypatch.setattr(VerifierEngine, "_chain_round", lambda *a: pytest.fail("generic round"))
     steps = []
     monkeypatch.setattr(VerifierEngine, "step", lambda self, items: steps.append(items)
                         or generic_step(self, items))
@@ -150,8 +150,8 @@ def test_plain_runs_decode_in_one_call_a_round_as_the_step_does(gguf, prompts, p
     # generic steps: only the prefills (one step per request, its first token)
     assert len(steps) == 3 and all(not len(tree) for items in steps for _, tree in items)
     monkeypatch.setattr(VerifierEngine, "step", generic_step)
-    monkeypatch.setattr(VerifierEngine, "_plain_round", generic)
-    monkeypatch.setattr(GgmlEngine, "_plain_round", generic)
+    monkeypatch.setattr(VerifierEngine, "_chain_round", generic)
+    monkeypatch.setattr(GgmlEngine, "_chain_round", generic)
     monkeypatch.setattr(GgmlEngine, "step", generic_step)
     assert plain_runs(engine, {"s": prompts[names[0]]}, sampled) == lean
     assert engine.store.used_blocks == 0 and sorted(engine.store.free_seqs) == list(range(256))

@@ -446,21 +446,18 @@ class VerifierEngine:
             length, gain = gate.length(rows, expected, len(found)) if found else (0, 0.0)
             chains.append(found[:length])
             rows, expected = rows + length, expected + gain
-        if not any(chains):
-            out = [[] if t is None else [t] for t in self._plain_round(request_ids)]
-        else:
-            out = self._chain_round(request_ids, chains)
-            for chain, tokens in zip(chains, out):
-                if chain and tokens:
-                    gate.observe_chain(len(chain), len(tokens) - 1)
-                    self.lookup_drafted += len(chain)
-                    self.lookup_accepted += len(tokens) - 1
+        out = self._chain_round(request_ids, chains)
+        for chain, tokens in zip(chains, out):
+            if chain and tokens:
+                gate.observe_chain(len(chain), len(tokens) - 1)
+                self.lookup_drafted += len(chain)
+                self.lookup_accepted += len(tokens) - 1
         gate.observe_round(rows, time.perf_counter() - start)
         return out
 
     def _chain_round(self, request_ids: list[str], chains: list[list[int]]) -> list[list[int]]:
-        """A round of plain runs in which some requests verify a lookup chain (others an empty
-        tree): each request's accepted tokens and bonus ([]: deferred or failed)."""
+        """A round of plain runs, each request's lookup chain (or none: an empty tree) in one
+        step: each request's accepted tokens and bonus ([]: deferred or failed)."""
         stepped = self.step([(r, TokenTree(tuple(c), tuple(range(-1, len(c) - 1))))
                              for r, c in zip(request_ids, chains)])
         return [[] if s.outcome is None else [*s.outcome.walk.tokens, s.outcome.walk.bonus]
@@ -475,12 +472,6 @@ class VerifierEngine:
         if req.lookup is None:
             req.lookup = NgramLookup(n)
         return req.lookup.draft(req.tokens, min(limit, self.limits.run_lookup_tokens))
-
-    def _plain_round(self, request_ids: list[str]) -> list[int | None]:
-        """One more token of each request, decoded in one step without trees (None: deferred
-        or failed: its run ends)."""
-        return [None if stepped.outcome is None else stepped.outcome.walk.bonus
-                for stepped in self.step([(r, TokenTree()) for r in request_ids])]
 
     def _draft_heads(self, entries: list[pool_pb2.DraftEntry], out: list) -> None:
         """Fills the heads' trees of the entries that asked for one, in one batch: each below

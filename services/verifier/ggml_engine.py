@@ -195,10 +195,6 @@ class GgmlEngine(VerifierEngine):
                                                   rows)) for (r, _), t in zip(items, tokens)]
         return super().step(items)
 
-    def _plain_round(self, request_ids: list[str]) -> list[int | None]:
-        tokens = self._direct_round(request_ids)
-        return tokens if tokens is not None else super()._plain_round(request_ids)
-
     def _direct_round(self, request_ids: list[str]) -> list[int] | None:
         """A plain run's round as one `llama_decode` of each request's last token in its own
         sequence, sampled by the request's sampler: the generic step's planning, tree, walk and
@@ -208,9 +204,10 @@ class GgmlEngine(VerifierEngine):
         return None if out is None else [tokens[0] for tokens in out]
 
     def _chain_round(self, request_ids: list[str], chains: list[list[int]]) -> list[list[int]]:
-        """A plain-run round with lookup chains as one `llama_decode` (`_decode_chains`): the
-        generic step's planning, tree and walk cost ~1.5 ms a round beside SmolLM2's decode.
-        The generic step where a request is not ready for it or the target serves heads."""
+        """A plain-run round, lookup chains or none, as one `llama_decode` (`_decode_chains`):
+        the generic step's planning, tree and walk cost ~0.4-1.5 ms a round beside SmolLM2's
+        decode. The generic step where a request is not ready for it or the target serves
+        heads."""
         out = None if self.lm.model.embeddings else self._decode_chains(request_ids, chains)
         return out if out is not None else super()._chain_round(request_ids, chains)
 
