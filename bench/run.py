@@ -78,6 +78,7 @@ class MethodResult:
     draft_tokens: int = 0  # tree nodes verified (specmesh methods)
     plain_steps: int = 0  # steps that verified no tree (adaptive sizing switched it off)
     identical_to_plain: int | None = 0
+    decisions: list = field(default_factory=list)  # every step's StepDecision (specmesh methods)
 
     @property
     def tok_s(self) -> float:
@@ -249,6 +250,7 @@ def _record(result: MethodResult, prompt: Prompt, out, seconds: float) -> None:
     result.forwards_per_prompt.append(out.stats.steps)
     result.draft_tokens += out.stats.draft_tokens
     result.plain_steps += out.stats.plain_steps
+    result.decisions.extend(out.stats.decisions)
     result.outputs.append(list(out.token_ids))
 
 

@@ -59,6 +59,11 @@ def base_settings() -> Settings:
 
 @pytest.fixture(scope="session")
 def target_path(base_settings):
+    """The default model's converted weights: from its package, or from the GGUF that
+    TEST_SMOLLM2_GGUF names (a machine without the package: bench/device.sh sets it)."""
+    gguf = os.environ.get("TEST_SMOLLM2_GGUF")
+    if gguf:
+        return models.prepare(MODEL, base_settings.cache_dir, progress=False, gguf=Path(gguf))
     return models.resolve(MODEL, base_settings.cache_dir)
 
 

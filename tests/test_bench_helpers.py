@@ -169,6 +169,30 @@ def test_gpu_ratios_divide_tok_s_and_leave_a_missing_side_out():
     assert [x for _, x in ratios(rows[:1], 8)] == [None] * 5
 
 
+def test_gpu_step_summary_splits_tree_steps_from_plain_runs():
+    from bench.gpu import step_summary
+    from specmesh.v1 import common_pb2
+    decisions = [common_pb2.StepDecision(step=0, emitted=1, seconds=9.0),  # the prefill: left out
+                 common_pb2.StepDecision(step=1, tree_size=8, emitted=3, seconds=0.006),
+                 common_pb2.StepDecision(step=2, tree_size=16, emitted=1, seconds=0.004),
+                 common_pb2.StepDecision(step=3, emitted=20, seconds=0.04)]
+    s = step_summary(decisions)
+    assert (s["tree_steps"], s["steps"], s["tree_nodes"], s["tree_tokens"]) == (2, 3, 12.0, 2.0)
+    assert s["tree_ms"] == pytest.approx(5.0) and s["plain_token_ms"] == pytest.approx(2.0)
+    assert step_summary([])["tree_ms"] is None
+
+
+def test_gpu_variants_are_a_label_and_typed_overrides():
+    from bench.gpu import parse
+    args = parse(["--variant", "fixed16", "speculation.tree_size=fixed",
+                  "speculation.max_nodes=16", "--variant", "lookup-off", "verifier.run_lookup=0"])
+    assert args.variant == [("fixed16", {"speculation.tree_size": "fixed",
+                                         "speculation.max_nodes": 16}),
+                            ("lookup-off", {"verifier.run_lookup": 0})]
+    with pytest.raises(SystemExit):
+        parse(["--variant", "bad", "speculation.depth"])
+
+
 def test_interleaved_peers_rounds_sum_into_one_row_each():
     from bench.peers import merge_rounds
     from bench.peers_report import _rounds

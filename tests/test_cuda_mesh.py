@@ -2,7 +2,7 @@
 in float32 (TF32 off) gives the target's own greedy tokens with trees drafted by the shipped
 heads and by the draft model, verified through the CUDA-graph step; a sampled run's tokens
 follow the target's softmax. Skipped without CUDA. SmolLM2 comes from its package or from the
-GGUF that SPECMESH_TEST_GGUF names (bench/device.sh sets it to the file it joined)."""
+GGUF that TEST_SMOLLM2_GGUF names (bench/device.sh sets it to the file it joined)."""
 from __future__ import annotations
 
 import asyncio
@@ -32,13 +32,8 @@ TEMPERATURE = 0.05  # the tiny random model's softmax is nearly flat over its 51
 
 
 @pytest.fixture(scope="module")
-def smollm2(base_settings) -> Path:
-    gguf = os.environ.get("SPECMESH_TEST_GGUF")
-    try:
-        return models.prepare(MODEL, base_settings.cache_dir, progress=False,
-                              gguf=Path(gguf) if gguf else None)
-    except models.ModelNotFound as err:
-        pytest.skip(f"SmolLM2's weights: {err}")
+def smollm2(target_path) -> Path:
+    return target_path
 
 
 @pytest.fixture(scope="module")
