@@ -30,9 +30,9 @@ ENV_PREFIX = "SPECMESH_"
 
 
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")  # the device setting's values
-# overrides for decoding without speculation: no draft trees and no prompt lookup in plain runs
+# overrides for decoding without speculation: no draft trees, no prompt lookup or heads in runs
 # (the baseline every benchmark's "plain" row measures)
-PLAIN_DECODING = {"speculation.depth": 0, "verifier.run_lookup": 0}
+PLAIN_DECODING = {"speculation.depth": 0, "verifier.run_lookup": 0, "verifier.run_heads": 0}
 
 
 class SettingsError(ValueError):
@@ -205,6 +205,10 @@ class VerifierSettings(Section):
                             "forward (llama.cpp's ngram-simple); n, 0 = off")
     run_lookup_tokens: int = Field(5, ge=1, description="prompt lookup in plain runs: tokens "
                                    "drafted a lookup at most")
+    run_heads: int = Field(16, ge=0, le=64, description="draft heads in plain runs: where the "
+                           "verifier serves heads, a round may verify their tree of this many "
+                           "nodes below a request's next token, when its measured tokens a "
+                           "second say it pays (a GPU); 0 = off")
     claim_idle_s: float = Field(30.0, gt=0, description="re-claim drafts unacknowledged this long")
     max_deliveries: int = Field(5, ge=1, description="a draft delivered this many times without "
                                 "being verified (every verifier that took it died or failed on "

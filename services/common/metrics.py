@@ -228,6 +228,12 @@ class VerifierMetrics:
                                     "since start", registry=r)
         self.lookup_accepted = Gauge("specmesh_verifier_lookup_accepted_tokens", "of those, "
                                      "tokens the target accepted, since start", registry=r)
+        self.run_heads_drafted = Gauge("specmesh_verifier_run_heads_drafted_tokens", "tree "
+                                       "nodes the served heads drafted in plain runs and the "
+                                       "verifier verified, since start", registry=r)
+        self.run_heads_accepted = Gauge("specmesh_verifier_run_heads_accepted_tokens", "of "
+                                        "those, tokens the target accepted, since start",
+                                        registry=r)
         self.judged = Gauge("specmesh_verifier_prune_judged_nodes", "tree nodes the early "
                             "pruning head judged since start", registry=r)
         self.pruned = Gauge("specmesh_verifier_pruned_nodes", "tree nodes early pruning removed "
@@ -260,6 +266,8 @@ class VerifierMetrics:
         self.evictions.set(engine.evictions)
         self.lookup_drafted.set(engine.lookup_drafted)
         self.lookup_accepted.set(engine.lookup_accepted)
+        self.run_heads_drafted.set(engine.run_heads_drafted)
+        self.run_heads_accepted.set(engine.run_heads_accepted)
         if self._cost_of is not engine:
             self._bind_cost(engine)
 

@@ -23,6 +23,7 @@ from specmesh_services.common.sampling import Sampler, SamplingParams
 from specmesh_services.common.tree import CompiledTree, TokenTree, compile_tree
 from specmesh_services.verifier.cost import VerifyCostModel
 from specmesh_services.verifier.kv import KVStore
+from specmesh_services.verifier.run_heads import HeadsGate
 from specmesh_services.verifier.lookup import LookupGate, NgramLookup
 from specmesh_services.verifier.packed import PackedTarget, Segment
 from specmesh_services.verifier.walk import WalkResult, row_draws, walk, walk_draws
@@ -95,6 +96,7 @@ class EngineLimits:
     graph_rows: int = 512  # CUDA, lean target: steps of up to this many rows replay graphs (0: off)
     run_lookup: int = 3  # plain runs draft from the request's own n-grams of this length (0: off)
     run_lookup_tokens: int = 5  # at most this many tokens a lookup
+    run_heads: int = 16  # plain runs verify the served heads' tree of this many nodes (0: off)
 
 
 @dataclass
@@ -122,6 +124,8 @@ class VerifierEngine:
         self.cost = VerifyCostModel()
         self.lookup_gate = LookupGate(self.limits.run_lookup_tokens)  # plain runs' prompt lookup
         self.lookup_drafted = self.lookup_accepted = 0  # its tokens verified, accepted
+        self.heads_gate = HeadsGate(self.lookup_gate, self.limits.run_heads)  # heads in runs
+        self.run_heads_drafted = self.run_heads_accepted = 0  # their nodes verified, accepted
         self.steps = 0
         self.last_step: StepStats | None = None
         self.prefill_rows = 0
@@ -438,30 +442,74 @@ class VerifierEngine:
     def _run_round(self, request_ids: list[str], left: list[int]) -> list[list[int]]:
         """One round of plain runs: each request's next tokens, at most its `left` ([]: deferred
         or failed: its run ends); a chain from prompt lookup where a request has one and the
-        gate finds it pays (`lookup.LookupGate`)."""
+        gate finds it pays (`lookup.LookupGate`), else the served heads' tree where theirs
+        does (`run_heads.HeadsGate`)."""
         start, gate = time.perf_counter(), self.lookup_gate
         chains, rows, expected = [], len(request_ids), float(len(request_ids))
-        for request_id, k in zip(request_ids, left):
+        heads: list[int] = []  # the requests whose round verifies the heads' tree
+        for i, (request_id, k) in enumerate(zip(request_ids, left)):
             found = self._lookup(request_id, k - 1)
             length, gain = gate.length(rows, expected, len(found)) if found else (0, 0.0)
-            chains.append(found[:length])
+            if not length and k > 1 and self._heads_ready(request_id):
+                gain = self.heads_gate.take(rows, expected)
+                if gain:
+                    heads.append(i)
+                    length = self.heads_gate.nodes
+            chains.append(found[:length] if i not in heads else [])
             rows, expected = rows + length, expected + gain
-        out = self._chain_round(request_ids, chains)
-        for chain, tokens in zip(chains, out):
+        trees = self._heads_trees(request_ids, left, heads)
+        if trees:
+            out = self._tree_round(request_ids, [
+                trees.get(i) or TokenTree(tuple(c), tuple(range(-1, len(c) - 1)))
+                for i, c in enumerate(chains)])
+            rows = len(request_ids) + sum(map(len, chains)) + sum(map(len, trees.values()))
+        else:
+            out = self._chain_round(request_ids, chains)
+        for i, (chain, tokens) in enumerate(zip(chains, out)):
             if chain and tokens:
                 gate.observe_chain(len(chain), len(tokens) - 1)
                 self.lookup_drafted += len(chain)
                 self.lookup_accepted += len(tokens) - 1
+            elif i in trees and tokens:
+                self.heads_gate.observe(len(tokens) - 1)
+                self.run_heads_drafted += len(trees[i])
+                self.run_heads_accepted += len(tokens) - 1
         gate.observe_round(rows, time.perf_counter() - start)
         return out
 
     def _chain_round(self, request_ids: list[str], chains: list[list[int]]) -> list[list[int]]:
         """A round of plain runs, each request's lookup chain (or none: an empty tree) in one
         step: each request's accepted tokens and bonus ([]: deferred or failed)."""
-        stepped = self.step([(r, TokenTree(tuple(c), tuple(range(-1, len(c) - 1))))
-                             for r, c in zip(request_ids, chains)])
+        return self._tree_round(request_ids, [TokenTree(tuple(c), tuple(range(-1, len(c) - 1)))
+                                              for c in chains])
+
+    def _tree_round(self, request_ids: list[str], trees: list[TokenTree]) -> list[list[int]]:
+        """A round of plain runs with a tree per request (empty: a plain row) in one step."""
+        stepped = self.step(list(zip(request_ids, trees)))
         return [[] if s.outcome is None else [*s.outcome.walk.tokens, s.outcome.walk.bonus]
                 for s in stepped]
+
+    def _heads_ready(self, request_id: str) -> bool:
+        """The heads can draft the request's next round: served, and its last step's hidden
+        states kept."""
+        req = self.requests.get(request_id)
+        return (self.heads is not None and req is not None and req.hidden is not None
+                and len(req.hidden) > 0)
+
+    def _heads_trees(self, request_ids: list[str], left: list[int], chosen: list[int]
+                     ) -> dict[int, TokenTree]:
+        """The heads' trees of the `chosen` requests (by index) in one batch, each below the
+        request's next token and no deeper than its run's tokens left allow."""
+        if not chosen:
+            return {}
+        start = time.perf_counter()
+        reqs = [self.requests[request_ids[i]] for i in chosen]
+        trees = self.heads.draft(torch.stack([r.hidden[-1] for r in reqs]),
+                                 [r.tokens[-1] for r in reqs],
+                                 [self.heads_gate.nodes] * len(chosen),
+                                 depth=max(1, min(left[i] - 1 for i in chosen)))
+        self.heads_seconds += time.perf_counter() - start
+        return {i: tree for i, tree in zip(chosen, trees) if len(tree)}
 
     def _lookup(self, request_id: str, limit: int) -> list[int]:
         """The chain prompt lookup drafts for a request's next round (up to `limit` tokens)."""
