@@ -55,6 +55,25 @@ def test_lbss_through_the_selection_learns_the_best_arm():
     assert late["large"] >= 0.9 * sum(late.values()), late
 
 
+def test_the_next_steps_arms_hold_this_slots_arm_beside_the_next_slots():
+    """LBSS's likely arm is where a request drafts at the next change of plan; its next step,
+    far shorter than a slot, mostly drafts on this slot's arm: both are the next step's arms
+    (what asks the verifier's heads for a tree ahead)."""
+    clock = Clock()
+    sel = LBSSSelection(ARMS, slot_s=1.0, seed=3, clock=clock)
+    live = {f"r{i}": 10 + i for i in range(4)}
+    differed = 0
+    for t in range(60):
+        clock.now = float(t)
+        for rid in live:
+            arm = sel.arm_for(rid, live)
+            sel.observe(rid, arm, 3.0, 1.0)
+            nxt = sel.next_arms(rid)
+            assert arm in nxt and sel.likely_arm(rid) in nxt | {None}
+            differed += sel.likely_arm(rid) != arm
+    assert differed  # the case the next slot's arm alone would miss
+
+
 def test_greedy_puts_short_prompts_on_cheap_arms_within_capacities():
     sel = GreedyByPromptLength(ARMS)
     live = {f"r{i}": length for i, length in enumerate([5, 500, 50, 5000, 20, 2000])}

@@ -400,8 +400,11 @@ class RequestLoop:
         services = self.services
         if not (services.arms.heads and self.speculating):
             return 0
-        arm = (services.arms.get(services.selection.likely_arm(self.request_id))
-               if services.selection is not None else services.arms.configured)
+        if services.selection is not None:  # LBSS's likely arm is the next slot's: not enough
+            arms = map(services.arms.get, sorted(services.selection.next_arms(self.request_id)))
+            arm = next((a for a in arms if a is not None and a.heads), None)
+        else:
+            arm = services.arms.configured
         if arm is None or not arm.heads:
             return 0
         batch = services.batch

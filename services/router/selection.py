@@ -64,6 +64,11 @@ class Selection:
         """Where the request will probably draft next (fast switching: prefill it there early)."""
         return self._plan.get(request_id)
 
+    def next_arms(self, request_id: str) -> set[str]:
+        """The arms the request's next step may draft on: this slot's (a step is far shorter
+        than a slot) and, should the slot end first, the next one's (`likely_arm`)."""
+        return {a for a in (self._plan.get(request_id), self.likely_arm(request_id)) if a}
+
     def observe(self, request_id: str, arm: str, tokens: int, seconds: float) -> None:
         pass
 
