@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,14 +28,6 @@ FRONTIER = 2  # nodes of a level expanded to the next (docs/decisions/heads-in-v
 
 class HeadsMismatch(ValueError):
     """The heads were trained for another model (or tokenizer, or hidden size)."""
-
-
-@dataclass(frozen=True)
-class _Node:
-    request: int  # index into the batch
-    node: int  # index in its tree (-1: the root)
-    path: tuple[int, ...]  # tokens after the bonus token
-    score: float
 
 
 class HeadsDrafter:
@@ -91,33 +82,49 @@ class HeadsDrafter:
               depth: int | None = None) -> list[TokenTree]:
         """One tree per request: `hidden` [B, H] the final hidden states of each request's
         last accepted token, `bonus` the token the target chose after it (the trees' root),
-        `max_nodes` each tree's size limit (0: no tree)."""
+        `max_nodes` each tree's size limit (0: no tree). Every level runs on the device where
+        the hidden states are, the frontier kept there too; the candidates come to the host
+        in one copy at the end (one sync, not two a level: a GPU waits on each)."""
         depth = min(depth or self.depth, self.depth, max(max_nodes, default=0))
-        f = hidden.to(self.dtype)
-        # per request, its candidates in tree order with their parents' indices
-        nodes: list[list[tuple[_Node, int]]] = [[] for _ in bonus]
-        frontier = [_Node(r, -1, (), 1.0) for r, n in enumerate(max_nodes) if n > 0]
+        live = [r for r, n in enumerate(max_nodes) if n > 0]
+        trees = [TokenTree((), ())] * len(bonus)
+        if not live or depth <= 0:
+            return trees
+        f = hidden[live].to(self.dtype)
+        b = len(live)
+        # the frontier: [b, F] paths below the root (bonus first) and their scores
+        paths = torch.tensor([[bonus[r]] for r in live], device=f.device)[:, None, :]
+        scores = torch.ones(b, 1, dtype=torch.float64, device=f.device)
+        levels = []  # per level: candidates' tokens and scores [b, F * WIDTH], next frontier
         for k in range(1, depth + 1):
-            if not frontier:
-                break
-            rows = torch.tensor([n.request for n in frontier], device=f.device)
-            path = torch.tensor([(bonus[n.request], *n.path) for n in frontier], device=f.device)
-            logits = self._logits(k, f[rows], path).float()
+            width = paths.shape[1]
+            logits = self._logits(k, f.repeat_interleave(width, 0),
+                                  paths.flatten(0, 1)).float()
             top, cols = logits.topk(WIDTH, dim=-1)
-            probs = (top - logits.logsumexp(-1, keepdim=True)).exp()
-            tokens = self.vocab[cols].tolist()
-            level: list[list[_Node]] = [[] for _ in bonus]
-            for parent, row_tokens, row_probs in zip(frontier, tokens, probs.tolist()):
-                for token, p in zip(row_tokens, row_probs):
-                    tree = nodes[parent.request]
-                    node = _Node(parent.request, len(tree), (*parent.path, token),
-                                 parent.score * p)
-                    tree.append((node, parent.node))
-                    level[parent.request].append(node)
-            frontier = [n for cands in level
-                        for n in sorted(cands, key=lambda n: -n.score)[:FRONTIER]]
-        return [_best(tree, limit) for tree, limit in zip(nodes, max_nodes)]
-
+            probs = (top - logits.logsumexp(-1, keepdim=True)).exp().double()
+            tokens = self.vocab[cols].view(b, width * WIDTH)
+            cand = (scores[:, :, None] * probs.view(b, width, WIDTH)).flatten(1)
+            # stable: among equal scores the earlier candidate first, as a sorted list keeps
+            order = cand.sort(dim=1, descending=True, stable=True).indices[:, :FRONTIER]
+            levels.append((tokens, cand, order))
+            parent = torch.div(order, WIDTH, rounding_mode="floor")
+            paths = torch.cat((paths.gather(1, parent[:, :, None].expand(-1, -1, paths.shape[2])),
+                               tokens.gather(1, order)[:, :, None]), dim=2)
+            scores = cand.gather(1, order)
+        host = torch.cat([torch.cat((t.double(), c, o.double()), dim=1)
+                          for t, c, o in levels], dim=1).cpu().tolist()  # the one sync
+        for i, r in enumerate(live):
+            row, at, offset, frontier = host[i], 0, 0, [-1]  # frontier: candidates' indices
+            toks, scs, pars = [], [], []
+            for tokens, _, order in levels:
+                n, m = tokens.shape[1], order.shape[1]
+                toks += [int(t) for t in row[at:at + n]]
+                scs += row[at + n:at + 2 * n]
+                pars += [frontier[j // WIDTH] for j in range(n)]
+                frontier = [offset + int(j) for j in row[at + 2 * n:at + 2 * n + m]]
+                at, offset = at + 2 * n + m, offset + n
+            trees[r] = _best(toks, pars, scs, max_nodes[r])
+        return trees
 
 def served_products(up, down, lm_head: torch.Tensor, weights: str | None = "auto"):
     """A small head's products (copies of its `up` and `down` layers, and `lm`: the LM head
@@ -147,21 +154,16 @@ def served_products(up, down, lm_head: torch.Tensor, weights: str | None = "auto
     return layers, dtype, quantized or str(dtype).removeprefix("torch.")
 
 
-def _best(candidates: list[tuple[_Node, int]], limit: int) -> TokenTree:
-    """The `limit` best-scored candidates as a tree (ties: earlier first), in tree order."""
-    if limit <= 0 or not candidates:
+def _best(tokens: list[int], parents: list[int], scores: list[float], limit: int) -> TokenTree:
+    """The `limit` best-scored candidates (tokens, parent candidate -1 for the root, scores) as
+    a tree (ties: earlier first), in tree order."""
+    if limit <= 0 or not tokens:
         return TokenTree((), ())
-    order = sorted(range(len(candidates)), key=lambda i: (-candidates[i][0].score, i))
-    keep = sorted(order[:limit])
+    keep = sorted(sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[:limit])
     index = {old: new for new, old in enumerate(keep)}
-    tokens, parents, scores = [], [], []
-    for i in keep:
-        node, parent = candidates[i]
-        tokens.append(node.path[-1])
-        parents.append(-1 if parent < 0 else index[parent])
-        scores.append(node.score)
-    return TokenTree(tuple(tokens), tuple(parents), tuple(scores), (0,) * len(keep), (HEADS,))
-
+    return TokenTree(tuple(tokens[i] for i in keep),
+                     tuple(-1 if parents[i] < 0 else index[parents[i]] for i in keep),
+                     tuple(scores[i] for i in keep), (0,) * len(keep), (HEADS,))
 
 def default_folder(settings, model: str) -> Path:
     """Where `heads` (no path) finds the model's heads: trained ones in the cache
