@@ -655,7 +655,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     try:
         args.variant = [parse_variant(v) for v in args.variant]
-    except argparse.ArgumentTypeError as e:
+        for label, overrides in args.variant:  # a misspelt setting fails here, not mid-run
+            Settings(model=MODEL).with_overrides(**overrides)
+    except (argparse.ArgumentTypeError, ValueError) as e:
         parser.error(str(e))
     return args
 

@@ -189,8 +189,9 @@ def test_gpu_variants_are_a_label_and_typed_overrides():
     assert args.variant == [("fixed16", {"speculation.tree_size": "fixed",
                                          "speculation.max_nodes": 16}),
                             ("lookup-off", {"verifier.run_lookup": 0})]
-    with pytest.raises(SystemExit):
-        parse(["--variant", "bad", "speculation.depth"])
+    for bad in (["speculation.depth"], ["speculation.nodes=3"], ["speculation.depth=-1"]):
+        with pytest.raises(SystemExit):
+            parse(["--variant", "bad", *bad])
 
 
 def test_interleaved_peers_rounds_sum_into_one_row_each():

@@ -23,9 +23,9 @@ from specmesh_services.common.sampling import Sampler, SamplingParams
 from specmesh_services.common.tree import CompiledTree, TokenTree, compile_tree
 from specmesh_services.verifier.cost import VerifyCostModel
 from specmesh_services.verifier.kv import KVStore
-from specmesh_services.verifier.run_heads import HeadsGate
 from specmesh_services.verifier.lookup import LookupGate, NgramLookup
 from specmesh_services.verifier.packed import PackedTarget, Segment
+from specmesh_services.verifier.run_heads import HeadsGate
 from specmesh_services.verifier.walk import WalkResult, row_draws, walk, walk_draws
 from specmesh.v1 import pool_pb2
 
@@ -452,10 +452,10 @@ class VerifierEngine:
             length, gain = gate.length(rows, expected, len(found)) if found else (0, 0.0)
             if not length and k > 1 and self._heads_ready(request_id):
                 gain = self.heads_gate.take(rows, expected)
-                if gain:
+                if gain:  # its rows counted at the tree's budget, its chain empty
                     heads.append(i)
-                    length = self.heads_gate.nodes
-            chains.append(found[:length] if i not in heads else [])
+                    length, found = self.heads_gate.nodes, []
+            chains.append(found[:length])
             rows, expected = rows + length, expected + gain
         trees = self._heads_trees(request_ids, left, heads)
         if trees:
