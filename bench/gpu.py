@@ -588,8 +588,9 @@ def markdown(report: dict) -> str:
                  if not c.get("bucket")}
         lines += [f"Verify step, {step['shape']} shape (random {step['dtype']} weights), "
                   f"VerifierEngine.step with a chain of R-1 nodes per request, ms per step "
-                  f"(replayed from CUDA graphs; * eager: a prefill chunk, more rows than the "
-                  f"largest bucket or a context past the split-KV threshold):", "",
+                  f"(replayed from CUDA graphs, split-KV ones past 4096 positions; * eager: a "
+                  f"prefill chunk, more rows than the largest bucket, or a split step whose "
+                  f"work items pass the table):", "",
                   *_curve("batch, context", rows)]
         for b, length in sorted({(k[0], k[1]) for k in cells}):
             lines += _curve(f"b{b} L{length}", rows, [cells.get((b, length, r)) for r in rows],

@@ -252,6 +252,21 @@ def test_graph_replay_gives_the_greedy_stream_on_cuda(capture):
     assert graphs.replays > 0 and 0 in seen and len(seen - {0}) >= 3, sorted(seen)
 
 
+def test_split_kv_graphs_give_the_greedy_stream_on_cuda():
+    """The same stream with KV past 24 positions cut into chunks of 8 inside the replayed
+    graphs (partial states merged in the graph): the target's own greedy tokens."""
+    from specmesh_services.verifier.engine import EngineLimits, VerifierEngine
+    from specmesh_services.verifier.graphs import StepGraphs
+    from test_step_graphs import stream
+
+    lean = tiny_cuda_lean(torch.float32)
+    engine = VerifierEngine(lean, limits=EngineLimits(kv_budget_tokens=512, block_size=8))
+    engine.target.graphs = graphs = StepGraphs(lean, engine.store, 128, split_min=24, chunk=8)
+    outputs, references, _ = stream(engine, lean)
+    assert outputs == references
+    assert any(chunks for _, chunks in graphs._graphs), "no split step was replayed"
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_graph_replay_equals_eager_on_cuda(dtype):
     """One step of three requests (a one-row step, a tree, a chain with logits) replayed from

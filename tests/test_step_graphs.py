@@ -45,8 +45,8 @@ def tiny_lean() -> LeanDecoder:
     return tiny_qwen2_lean()
 
 
-def bucketed(engine: VerifierEngine, max_rows: int) -> VerifierEngine:
-    engine.target.graphs = StepGraphs(engine.lm, engine.store, max_rows, capture=False)
+def bucketed(engine: VerifierEngine, max_rows: int, **split) -> VerifierEngine:
+    engine.target.graphs = StepGraphs(engine.lm, engine.store, max_rows, capture=False, **split)
     return engine
 
 
@@ -58,12 +58,15 @@ def test_buckets_cover_every_row_count():
     assert [next(b for b in graphs if b >= r) for r in (1, 3, 17, 33, 48)] == [1, 4, 32, 48, 48]
 
 
-def test_padded_step_gives_the_unpadded_logits(tiny_lean):
+@pytest.mark.parametrize("split", [{}, {"split_min": 16, "chunk": 16}])
+def test_padded_step_gives_the_unpadded_logits(tiny_lean, split):
     """Three requests (a one-row step, a tree, a chain with logits) padded from 12 rows to a
-    bucket of 16: the same logits and final hidden states as the eager packed forward."""
+    bucket of 16: the same logits and final hidden states as the eager packed forward; split
+    (a threshold and chunks of 16 positions here, 4096 and 1024 served), each request's KV in
+    1, 2 and 4 chunks, their partial states merged: the same again."""
     limits = EngineLimits(kv_budget_tokens=512, block_size=8)
     plain, padded = VerifierEngine(tiny_lean, limits=limits), \
-        bucketed(VerifierEngine(tiny_lean, limits=limits), 16)
+        bucketed(VerifierEngine(tiny_lean, limits=limits), 64 if split else 16, **split)
     rng = random.Random(0)
     prompts = {rid: [rng.randrange(VOCAB) for _ in range(n)]
                for rid, n in (("a", 30), ("b", 9), ("c", 50))}
@@ -78,10 +81,13 @@ def test_padded_step_gives_the_unpadded_logits(tiny_lean):
                 chain("c", [5, 6, 7, 8, 9, 10], 50, True)]
         assert padded.target.graphs.covers(step) and not padded.target.graphs.covers(
             [chain("a", [1, 2], 30, False)]), "prefill chunks run eagerly"
+        if split:  # 64 rows a bucket of 64 cut in 4 chunks: more items than the table holds
+            assert not padded.target.graphs.covers([chain("c", list(range(64)), 50, True)])
         logits = engine.target.forward(step)
         outputs[name] = (logits, engine.target.hidden, engine.target.last_bucket)
     (eager, eager_hidden, none), (ours, our_hidden, bucket) = outputs["eager"], outputs["padded"]
     assert (none, bucket) == (0, 16)
+    assert padded.target.graphs.last_chunks == (4 if split else 0)  # c: 56 positions
     assert [x.shape for x in ours] == [x.shape for x in eager] == [(1, VOCAB), (5, VOCAB),
                                                                   (6, VOCAB)]
     for x, y in zip(ours, eager):
@@ -148,12 +154,16 @@ def stream(engine: VerifierEngine, lean: LeanDecoder, seed: int = 1
     return outputs, references, seen
 
 
-def test_stream_is_the_same_whichever_bucket(tiny_lean):
+@pytest.mark.parametrize("split", [{}, {"split_min": 24, "chunk": 8}])
+def test_stream_is_the_same_whichever_bucket(tiny_lean, split):
     """Trees of 1 .. 16 rows (side branches, the right path behind a wrong sibling): buckets of
-    1 .. 16 rows, and eager steps where a step has more rows than the largest bucket (16 here)
-    or a prefill chunk; every token is the target's own greedy one."""
+    1 .. 16 rows, and eager steps where a step has more rows than the largest bucket (16 here,
+    or its items more than the table) or a prefill chunk; split, KV past 24 positions cut into
+    chunks of 8 (the right path's rows then cross chunk ends); every token is the target's own
+    greedy one."""
     engine = bucketed(VerifierEngine(tiny_lean, limits=EngineLimits(kv_budget_tokens=512,
-                                                                    block_size=8)), 16)
+                                                                    block_size=8)),
+                      128 if split else 16, **split)
     outputs, references, seen = stream(engine, tiny_lean)
     assert outputs == references
     assert 0 in seen and len(seen - {0}) >= 3, f"buckets used: {sorted(seen)}"

@@ -8,8 +8,12 @@ attention over the item table, final norm, LM head) is captured once per bucket 
 and replayed: one launch instead of ~25 a layer. Padding rows write their K/V to the store's
 scratch slot and belong to no work item; their outputs are dropped. Batch size needs no buckets
 of its own: requests enter only through the item table, padded with empty items to one per row.
-Prefill chunks, early pruning and contexts past the split-KV threshold run eagerly (vLLM, too,
-runs prefill outside its graphs). Without CUDA the same padded forward runs eagerly (tests).
+A step whose longest KV passes the split-KV threshold replays a graph of its own per bucket
+and power-of-two count of KV chunks C: every segment's KV cut into chunks of at most
+`SPLIT_KV_CHUNK` positions, each chunk a work item writing a partial state, merged by
+log-sum-exp (kernels/decomposed.py), while bucket x C stays within the item table. Prefill
+chunks, early pruning and larger split steps run eagerly (vLLM, too, runs prefill outside its
+graphs). Without CUDA the same padded forward runs eagerly (tests).
 """
 from __future__ import annotations
 
@@ -19,7 +23,8 @@ import time
 
 import torch
 
-from specmesh_kernels.backend import SPLIT_KV_MIN
+from specmesh_kernels.backend import SPLIT_KV_CHUNK, SPLIT_KV_MIN
+from specmesh_kernels.decomposed import merge_states_triton, plan_chunks
 from specmesh_kernels.tree_attention import LOG2E
 from specmesh_services.common.lean import LeanDecoder
 from specmesh_services.verifier.kv import KVStore
@@ -41,10 +46,14 @@ class StepGraphs:
     states [n_s, hidden], views valid until the next forward."""
 
     def __init__(self, lean: LeanDecoder, store: KVStore, max_rows: int = 256,
-                 capture: bool | None = None) -> None:
+                 capture: bool | None = None, split_min: int = SPLIT_KV_MIN,
+                 chunk: int = SPLIT_KV_CHUNK) -> None:
         from specmesh_kernels import triton_kernels as tk  # lazy: imports triton
 
         self.lean, self.store, self.max_rows = lean, store, max_rows
+        # the eager path's threshold: graph-replayed, splitting pays from ~2048 positions on
+        # an H100 (docs/decisions/cuda-split-kv.md), not yet measured in the step
+        self.split_min, self.chunk = split_min, chunk
         self.device = store.k.device
         self.capture = self.device.type == "cuda" if capture is None else capture
         self.buckets = buckets(max_rows)
@@ -62,23 +71,33 @@ class StepGraphs:
         self._dev_mask = torch.zeros(t * t, dtype=torch.uint8, device=self.device)
         self._rows = torch.arange(t, device=self.device)
         self._copied = torch.cuda.Event() if pin else None  # the staging buffers are free again
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (rows, KV chunks)
+        self._outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._pool = None
         self.capture_seconds = 0.0
         self.replays = 0
         self.last_bucket = 0  # rows the last forward was padded to
+        self.last_chunks = 0  # KV chunks a segment of it was cut into (0: not split)
 
     # what runs here ---------------------------------------------------------------------------
     def bucket(self, rows: int) -> int:
         return next(b for b in self.buckets if b >= rows)
 
+    def chunks(self, segments) -> int:
+        """KV chunks of the step's graph: 0 where no segment's KV passes the split threshold,
+        else the most any segment is cut into, rounded up to a power of two."""
+        longest = max(s.start + s.num_rows for s in segments)
+        if longest <= self.split_min:
+            return 0
+        return 1 << math.ceil(math.log2(-(-longest // self.chunk)))
+
     def covers(self, segments) -> bool:
-        """Every row needs logits, the rows fit the largest bucket, and no segment's KV is
-        long enough for the eager path's split-KV attention."""
-        return (sum(s.num_rows for s in segments) <= self.max_rows
-                and all(s.logits_from == 0 and s.start + s.num_rows <= SPLIT_KV_MIN
-                        for s in segments))
+        """Every row needs logits, the rows fit the largest bucket, and a split step's work
+        items (bucket x chunks) fit the item table."""
+        rows = sum(s.num_rows for s in segments)
+        return (bool(segments) and rows <= self.max_rows
+                and all(s.logits_from == 0 for s in segments)
+                and self.bucket(rows) * max(1, self.chunks(segments)) <= self.max_rows)
 
     @property
     def captured(self) -> int:
@@ -87,21 +106,23 @@ class StepGraphs:
     # the step ---------------------------------------------------------------------------------
     def forward(self, segments) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         rows = sum(s.num_rows for s in segments)
-        size = self.bucket(rows)
-        self._stage(segments, rows, size)
+        size, chunks = self.bucket(rows), self.chunks(segments)
+        self._stage(segments, rows, size, chunks)
+        key = (size, chunks)
         if self.capture:
-            graph = self._graphs.get(size) or self._capture(size)
+            graph = self._graphs.get(key) or self._capture(*key)
             graph.replay()
             self.replays += 1
-            hidden, logits = self._outputs[size]
+            hidden, logits = self._outputs[key]
         else:
-            hidden, logits = self._body(size)
-        self.last_bucket = size
+            hidden, logits = self._body(size, chunks)
+        self.last_bucket, self.last_chunks = size, chunks
         sizes = [s.num_rows for s in segments]
         return list(logits[:rows].split(sizes)), list(hidden[:rows].split(sizes))
 
-    def _stage(self, segments, rows: int, size: int) -> None:
-        """The step's inputs into the persistent buffers: two copies to the device."""
+    def _stage(self, segments, rows: int, size: int, chunks: int = 0) -> None:
+        """The step's inputs into the persistent buffers: two copies to the device. Split
+        (`chunks`): a work item per query block and KV chunk."""
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copies have read the staging buffers
         t, host, store = self.max_rows, self._host, self.store
@@ -113,8 +134,10 @@ class StepGraphs:
             kv_slots.append(slots)
             new_slots.append(slots[s.start:])
             masks.append(s.mask.reshape(-1))
-            items += self._tk.item_rows(q_at, n, kv_at, 0, s.start + n, s.start, mask_at, 0,
-                                        self._per_item)
+            for c, (_, lo, hi) in enumerate(plan_chunks([s.start + n], self.chunk)
+                                            if chunks else [(0, 0, s.start + n)]):
+                items += self._tk.item_rows(q_at, n, kv_at, lo, hi, s.start, mask_at, c,
+                                            self._per_item)
             q_at, kv_at, mask_at = q_at + n, kv_at + s.start + n, mask_at + n * n
         host[:rows] = torch.cat([s.tokens for s in segments])
         host[rows:size] = 0
@@ -122,7 +145,8 @@ class StepGraphs:
         host[t + rows:t + size] = 0
         host[2 * t:2 * t + rows] = torch.cat(new_slots)
         host[2 * t + rows:2 * t + size] = store.scratch_slot
-        table = host[3 * t:3 * t + self._cols * size].view(size, self._cols)
+        slots_items = size * max(1, chunks)
+        table = host[3 * t:3 * t + self._cols * slots_items].view(slots_items, self._cols)
         table[:len(items)] = torch.tensor(items, dtype=torch.long)
         table[len(items):] = 0  # empty items
         end = self._kv_at + kv_at
@@ -134,11 +158,13 @@ class StepGraphs:
         if cuda:
             self._copied.record()
 
-    def _body(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The forward over the first `size` rows of the persistent buffers."""
+    def _body(self, size: int, chunks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward over the first `size` rows of the persistent buffers; split into
+        `chunks` partial states a row, merged, where `chunks`."""
         t, dev, lean, store, tk = self.max_rows, self._dev, self.lean, self.store, self._tk
         new_slots = dev[2 * t:2 * t + size]
-        items = dev[3 * t:3 * t + self._cols * size].view(size, self._cols)
+        n_items = size * max(1, chunks)
+        items = dev[3 * t:3 * t + self._cols * n_items].view(n_items, self._cols)
         kv_slots, mask, scale = dev[self._kv_at:], self._dev_mask, lean.scale * LOG2E
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -146,6 +172,12 @@ class StepGraphs:
             k_layer, v_layer = store.k[layer], store.v[layer]
             k_layer.index_copy_(0, new_slots, k.to(k_layer.dtype))
             v_layer.index_copy_(0, new_slots, v.to(v_layer.dtype))
+            if chunks:  # partial states no item writes stay (0, -inf): the merge drops them
+                part = torch.zeros(size, chunks, *q.shape[1:], dtype=torch.float32,
+                                   device=q.device)
+                lse = torch.full(part.shape[:3], float("-inf"), device=q.device)
+                tk.launch_items(q, k_layer, v_layer, items, kv_slots, mask, scale, part, lse)
+                return merge_states_triton(part, lse, out_dtype=q.dtype)[0]
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             tk.launch_items(q, k_layer, v_layer, items, kv_slots, mask, scale, out)
             return out
@@ -153,7 +185,7 @@ class StepGraphs:
         hidden = lean.run(dev[:size], dev[t:t + size], attend, self._rows[:size])
         return hidden, lean.logits(hidden)
 
-    def _capture(self, size: int) -> torch.cuda.CUDAGraph:
+    def _capture(self, size: int, chunks: int = 0) -> torch.cuda.CUDAGraph:
         """Captures the bucket's forward over the buffers as they are (the current step's
         inputs: the warm-up runs compute what the replay will, so they change nothing)."""
         start = time.perf_counter()
@@ -161,18 +193,18 @@ class StepGraphs:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # compiles the kernels, settles cuBLAS' workspaces
             for _ in range(2):
-                self._body(size)
+                self._body(size, chunks)
         torch.cuda.current_stream(self.device).wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self._outputs[size] = self._body(size)
-        self._graphs[size] = graph
+            self._outputs[size, chunks] = self._body(size, chunks)
+        self._graphs[size, chunks] = graph
         seconds = time.perf_counter() - start
         self.capture_seconds += seconds
-        log.info("verify step captured for %d rows in %.2f s (%d graphs)", size, seconds,
-                 len(self._graphs))
+        log.info("verify step captured for %d rows, %d KV chunks in %.2f s (%d graphs)", size,
+                 chunks, seconds, len(self._graphs))
         return graph
 
     @torch.inference_mode()
@@ -185,8 +217,8 @@ class StepGraphs:
         host[2 * t:3 * t] = self.store.scratch_slot
         host[3 * t:self._kv_at] = 0
         self._dev[:self._kv_at].copy_(host[:self._kv_at])
-        for size in sorted(self.buckets, reverse=True):
-            if size not in self._graphs:
+        for size in sorted(self.buckets, reverse=True):  # split steps' graphs: at first use
+            if (size, 0) not in self._graphs:
                 self._capture(size)
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
