@@ -62,6 +62,7 @@ def test_verify_spans_carry_their_engine_steps_timers(run):
     for attrs in steps.values():
         assert attrs["specmesh.forward_seconds"] > 0 and attrs["specmesh.walk_seconds"] > 0
         assert attrs["specmesh.step_rows"] >= 1 and attrs["specmesh.batch_wait_seconds"] >= 0
+        assert attrs["specmesh.step_bucket"] == attrs["specmesh.step_kv_chunks"] == 0  # a CPU
     engine_s = sum(a["specmesh.forward_seconds"] + a["specmesh.walk_seconds"]
                    for a in steps.values())
     jobs_s = sum(end - start for kind, start, end in probe.compute.jobs

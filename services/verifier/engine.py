@@ -85,6 +85,7 @@ class StepStats:
     forward_seconds: float = 0.0  # of which the target's forward pass
     walk_seconds: float = 0.0  # after it: the walks and KV commits of all trees
     bucket: int = 0  # rows the forward was padded to, replayed from a CUDA graph (0: eager)
+    chunks: int = 0  # of that graph, the KV chunks a segment was split into (0: not split)
 
 
 @dataclass(frozen=True)
@@ -366,7 +367,8 @@ class VerifierEngine:
         rows = sum(p.segment.num_rows for p in planned)
         context = sum(p.segment.start + p.segment.num_rows for p in planned)
         self._record(StepStats(rows, context, len(planned), trees, seconds, forward_seconds,
-                               walk_seconds, getattr(self.target, "last_bucket", 0)))
+                               walk_seconds, getattr(self.target, "last_bucket", 0),
+                               getattr(self.target, "last_chunks", 0)))
 
     def _record(self, stats: StepStats) -> None:
         """A step done: its stats for metrics and traces, an observation of the cost model."""

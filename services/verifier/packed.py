@@ -102,16 +102,17 @@ class PackedTarget:
         # bucketed steps replayed from CUDA graphs (verifier/graphs.py; lean target only)
         self.graphs = None
         self.last_bucket = 0  # rows the last forward was padded to (0: run eagerly)
+        self.last_chunks = 0  # its split-KV chunks (0: not split)
 
     @torch.inference_mode()
     def forward(self, segments: list[Segment]) -> list[torch.Tensor]:
         """Runs all segments in one pass (their positions reserved in the store); returns each
         segment's logits rows from `logits_from` on: [n_s - logits_from, V] float32."""
-        self.last_bucket = 0
+        self.last_bucket = self.last_chunks = 0
         if self.graphs is not None and self.pruner is None and self.graphs.covers(segments):
             logits, self.hidden = self.graphs.forward(segments)
             self.survivors = [None] * len(segments)
-            self.last_bucket = self.graphs.last_bucket
+            self.last_bucket, self.last_chunks = self.graphs.last_bucket, self.graphs.last_chunks
             return logits
         batch, keep = self._build(segments)
         if self.lean is not None:

@@ -261,6 +261,7 @@ class VerifierWorker:
                 "specmesh.forward_seconds": stats.forward_seconds,
                 "specmesh.walk_seconds": stats.walk_seconds,
                 "specmesh.step_bucket": stats.bucket,
+                "specmesh.step_kv_chunks": stats.chunks,
                 "specmesh.batch_wait_seconds": self._waited_s}
 
     def _span(self, taken: Taken, batch_size: int):
