@@ -452,7 +452,8 @@ class VerifierEngine:
         for i, (request_id, k) in enumerate(zip(request_ids, left)):
             found = self._lookup(request_id, k - 1)
             length, gain = gate.length(rows, expected, len(found)) if found else (0, 0.0)
-            if not length and k > 1 and self._heads_ready(request_id):
+            if (not length and k > 1 and self._heads_ready(request_id)  # within one forward:
+                    and rows + self.heads_gate.nodes <= self.limits.max_batch_tokens):
                 gain = self.heads_gate.take(rows, expected)
                 if gain:  # its rows counted at the tree's budget, its chain empty
                     heads.append(i)
