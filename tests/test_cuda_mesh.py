@@ -18,7 +18,7 @@ from specmesh_services.common.config import Settings
 from specmesh_services.common.sampling import SamplingParams
 from specmesh_services.common.tree import TokenTree
 from specmesh_services.verifier.engine import EngineLimits, VerifierEngine
-from test_batch_verify import binned, sampled_round, state  # tests/ is on the path
+from test_batch_verify import binned, sampled_round  # tests/ is on the path
 from test_lean_target import chain
 
 pytestmark = pytest.mark.skipif(
@@ -83,20 +83,15 @@ def test_plain_runs_through_the_heads_trees_on_cuda_give_the_target_greedy_token
         smollm2, cuda_reference, chat_prompt_ids, compute):
     """The verifier's runs whose every round verifies the served heads' tree (drafted on the
     device from the round before's hidden state) through the graph-replayed step."""
-    from specmesh_services.heads.draft import load_for_target
-    from specmesh_services.verifier.server import build_engine, load_target
     from test_plain_runs import entry
+    from test_run_heads import heads_engine
 
     settings = Settings(model=MODEL, dtype="float32", device=DEVICE, drafters=["heads"],
                         verifier={"run_lookup": 0})
 
     def run():
-        engine = build_engine(load_target(settings), settings, "verifier")
-        engine.heads = load_for_target(settings, "heads")
-        engine.heads_gate.take = lambda rows, tokens: 1.0  # every round verifies a tree
         prompts = {f"r{i}": chat_prompt_ids(i) for i in range(PROMPTS)}
-        for rid, prompt in prompts.items():
-            engine.load(state(rid, prompt), [])
+        engine = heads_engine(settings, prompts)
         done = engine.step_entries([entry(rid, 0, TOKENS) for rid in prompts])
         return ([tokens for _, tokens in done], engine.run_heads_accepted,
                 engine.target.graphs.replays)

@@ -41,18 +41,25 @@ def test_the_gate_refuses_trees_where_a_row_costs_a_step_but_probes():
     assert HeadsGate(LookupGate(5), 0).take(1, 1.0) == 0.0  # run_heads = 0: off
 
 
+def heads_engine(settings, prompts: dict[str, list[int]]):
+    """The verifier engine of `settings` serving its heads, every run's round verifying their
+    tree (the gate always takes it), `prompts` loaded."""
+    engine = build_engine(load_target(settings), settings, "verifier")
+    engine.heads = load_for_target(settings, "heads")
+    engine.heads_gate.take = lambda rows, tokens: 1.0
+    for rid, prompt in prompts.items():
+        engine.load(state(rid, prompt), [])
+    return engine
+
+
 def test_runs_through_the_heads_trees_are_the_targets_greedy_tokens(
         base_settings, chat_prompt_ids, hf_greedy_reference, compute):
     settings = base_settings.with_overrides(drafters=["heads"],
                                             **{"verifier.run_lookup": 0})
 
     def run():
-        engine = build_engine(load_target(settings), settings, "verifier")
-        engine.heads = load_for_target(settings, "heads")
-        engine.heads_gate.take = lambda rows, tokens: 1.0  # every round verifies a tree
         prompts = {f"r{i}": chat_prompt_ids(i) for i in range(PROMPTS)}
-        for rid, prompt in prompts.items():
-            engine.load(state(rid, prompt), [])
+        engine = heads_engine(settings, prompts)
         got = {rid: [] for rid in prompts}
         for _ in range(2):  # the first step's run, then a run after its answer
             done = engine.step_entries([entry(rid, len(got[rid]), RUN) for rid in prompts])
