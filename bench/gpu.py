@@ -38,8 +38,8 @@ from specmesh_services.common.serving import compute_executor
 from specmesh_services.launch.redis_server import find_redis_server
 
 MODEL = "smollm2-135m"
-TESTS = ["tests/test_kernels.py", "tests/test_cuda.py", "tests/test_cuda_mesh.py",
-         "tests/test_walk_draws.py"]
+TESTS = ["tests/test_kernels.py", "tests/test_decoder_ops.py", "tests/test_cuda.py",
+         "tests/test_cuda_mesh.py", "tests/test_walk_draws.py"]
 PARTS = ("generate", "mesh", "step", "anchor", "up")  # in run order: the most fragile last
 # hidden, intermediate, layers, heads, kv heads, vocab (Qwen2: q/k/v biases, tied embeddings)
 SHAPES = {"qwen2.5-1.5b": (1536, 8960, 28, 12, 2, 151936), "tiny": (64, 128, 2, 4, 2, 512)}
@@ -393,6 +393,53 @@ def step_costs(lm, contexts: list[int], batches: list[int], rows: list[int], rep
     return cells
 
 
+def kernels_a_step(lm, context: int) -> int:
+    """CUDA kernels one eager one-row `VerifierEngine.step` at `context` launches (profiled;
+    on the CPU its outermost aten ops, for a dry run)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from specmesh_kernels.backend import select_attention_backend
+    from specmesh_services.common.tree import TokenTree
+    from specmesh_services.verifier.engine import EngineLimits, VerifierEngine
+    from specmesh.v1 import common_pb2, pool_pb2
+
+    engine = VerifierEngine(lm, "bench-gpu-kernels", EngineLimits(
+        kv_budget_tokens=context + 64, max_batch_tokens=max(1024, context), graph_rows=0),
+        select_attention_backend(lm.device))
+    prompt = torch.randint(0, lm.vocab_size, (context,), generator=torch.Generator().manual_seed(0))
+    engine.load(pool_pb2.RequestState(request_id="k", prompt_ids=prompt.tolist(),
+                                      sampling=common_pb2.SamplingParams()), [])
+    while any(r.deferred for r in engine.step([("k", TokenTree())])):
+        pass
+    engine.step([("k", TokenTree())])  # warm: Triton compiled, cuBLAS settled
+    sync(lm.device)
+    cuda = lm.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        engine.step([("k", TokenTree())])
+        sync(lm.device)
+    if cuda:
+        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return sum(1 for e in prof.events() if e.name.startswith("aten::")
+               and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
+
+
+def ops_costs(lm, context: int, sizes: dict) -> dict:
+    """The decoder's elementwise steps in torch's ops beside the fused Triton kernels
+    (`decoder_ops`, the CUDA default): kernels an eager step, and the graph-replayed step's ms
+    at batch 1 by rows with torch's ops."""
+    from specmesh_kernels.decoder_ops import TorchOps
+
+    fused = lm.ops
+    kernels = {fused.name: kernels_a_step(lm, context)}
+    lm.ops = TorchOps
+    try:
+        kernels["torch"] = kernels_a_step(lm, context)
+        cells = step_costs(lm, [context], [1], sizes["rows"], sizes["reps"])
+    finally:
+        lm.ops = fused
+    return {"kernels": kernels, "torch_ops": cells}
+
+
 class AnchorDecoder(torch.nn.Module):
     """A minimal Llama / Qwen2 decoder (static KV cache, SDPA with an explicit mask): R new rows
     next to cached positions, the same buffers every call, so a CUDA graph can replay it: the
@@ -595,10 +642,15 @@ def markdown(report: dict) -> str:
         for b, length in sorted({(k[0], k[1]) for k in cells}):
             lines += _curve(f"b{b} L{length}", rows, [cells.get((b, length, r)) for r in rows],
                             [(b, length, r) in eager for r in rows])
-        for c in step.get("eager", [])[:1]:
-            same = {x["rows"]: x["ms"] for x in step["eager"]}
-            lines += _curve(f"b1 L{c['context']}, eager", rows, [same.get(r) for r in rows])
+        for key, label in (("eager", "eager"), ("torch_ops", "graphs, torch's elementwise ops")):
+            for c in step.get(key, [])[:1]:
+                same = {x["rows"]: x["ms"] for x in step[key]}
+                lines += _curve(f"b1 L{c['context']}, {label}", rows, [same.get(r) for r in rows])
         lines.append("")
+        if step.get("kernels"):
+            lines += ["CUDA kernels an eager one-row step launches, by the decoder's elementwise "
+                      "ops: " + ", ".join(f"{k} {n}" for k, n in step["kernels"].items()) + ".",
+                      ""]
     anchor = report.get("anchor")
     if anchor:
         rows = list(anchor["eager_ms"])
@@ -760,6 +812,7 @@ class Bench:
             context = self.sizes["contexts"][min(1, len(self.sizes["contexts"]) - 1)]
             self.report["step"]["eager"] = self.on_compute(
                 step_costs, lm, [context], [1], self.sizes["rows"], self.sizes["reps"], 2, 0)
+            self.report["step"].update(self.on_compute(ops_costs, lm, context, self.sizes))
 
     def anchor(self) -> None:
         say(f"decoder anchor, {self.sizes['shape']} shape")

@@ -274,6 +274,11 @@ class Settings(BaseSettings):
                             "(cost nearly flat in the rows of a verify step); fp16 = bf16 weights "
                             "stored as float16 for FBGEMM (CPUs without bf16 arithmetic); auto = "
                             "onednn where the CPU runs the dtype, else fp16 for bf16, else torch")
+    decoder_ops: Literal["auto", "torch", "triton"] = Field(
+        "auto", description="the lean forward's elementwise steps (residual add + RMSNorm, RoPE, "
+                            "SiLU x up): triton = one fused kernel each (a third of a layer's "
+                            "launches; CUDA only), torch = torch's ops; auto = triton on CUDA, "
+                            "torch on the CPU (docs/decisions/fused-decoder-ops.md)")
     target_weights: Literal["auto", "float", "native"] = Field(
         "auto", description="the target's weights as served: float = the converted weights in "
                             "`dtype`; native = the layers the GGUF stores as 4-bit blocks keep "

@@ -6,6 +6,8 @@ request. The datastore and the pool stay on the CPU whatever this says.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from specmesh_services.common.config import DEVICE_PATTERN, SettingsError
@@ -37,6 +39,7 @@ def resolve_device(name: str) -> torch.device:
 def check(settings) -> torch.device:
     """The device `settings` serve on, refusing what it cannot serve on CUDA: `verifier.exact`
     (row-independent linears), early pruning, the CPU linear kernels, native 4-bit weights;
+    `decoder_ops=triton` off CUDA but in Triton's interpreter (tests);
     the llama.cpp target (`target_runner=ggml`) serves on the CPU (auto: there), with
     llama-cpp-python installed, without early pruning or `verifier.exact`."""
     device = resolve_device(settings.device)
@@ -58,6 +61,10 @@ def check(settings) -> torch.device:
             raise SettingsError("verifier.exact needs the torch target: llama.cpp computes a "
                                 "row differently with other rows beside it "
                                 "(docs/decisions/ggml-target.md)")
+    if device.type != "cuda" and settings.decoder_ops == "triton" \
+            and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SettingsError("decoder_ops=triton runs its kernels on CUDA: use --device cuda, "
+                            "or decoder_ops=auto or torch on the CPU")
     if device.type == "cuda":
         if settings.verifier.exact:
             raise SettingsError("verifier.exact needs --device cpu: its row-independent linear "

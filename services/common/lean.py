@@ -3,9 +3,11 @@ machinery, shared by the drafter (draft models over per-request buffers) and the
 target over the paged KV store).
 
 `LeanDecoder` computes what transformers' decoder does, with q/k/v and gate/up fused where the
-weights are of one kind (`fuse_key`), rotary embeddings on q and k together, attention through
-the caller's `Attend` (it stores K/V in the caller's layout) and the final hidden states of the
-logit rows returned for draft heads; its numbers equal transformers' up to float rounding
+weights are of one kind (`fuse_key`), rotary embeddings on q and k together, the elementwise
+steps between the products in torch or fused Triton kernels (`ops`: kernels/decoder_ops.py),
+attention through the caller's `Attend` (it stores K/V in the caller's layout) and the final
+hidden states of the logit rows returned for draft heads; its numbers equal transformers' up
+to float rounding
 (tests/test_lean_draft.py, tests/test_lean_target.py). `supports` says why an architecture is
 not covered. Why not transformers' forward: docs/decisions/lean-target-forward.md.
 """
@@ -14,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from specmesh_kernels import decoder_ops
 from specmesh_services.common.models import context_length
 
 ARCHITECTURES = ("llama", "qwen2")
@@ -112,10 +114,12 @@ class LeanDecoder:
     Built from a transformers model with torch's own linears (its head may be a `SubsetHead`);
     `prepare(linears)` converts the fused linears in place (a ModuleDict: quantize, pack for
     oneDNN...), and `fuse_key(linear)` keeps layers with different keys in separate products.
-    The transformers model is not kept."""
+    `ops`: the elementwise steps' kernels (decoder_ops.CHOICES; auto = Triton on CUDA). The
+    transformers model is not kept."""
 
     def __init__(self, model, name: str, prepare: Callable[[nn.ModuleDict], object] | None = None,
-                 fuse_key: Callable[[nn.Linear], object] | None = None) -> None:
+                 fuse_key: Callable[[nn.Linear], object] | None = None, ops: str = "auto"
+                 ) -> None:
         reason = supports(model)
         if reason is not None:
             raise ValueError(f"the lean forward does not cover this model: {reason}")
@@ -128,6 +132,7 @@ class LeanDecoder:
         base = model.model
         self.dtype: torch.dtype = base.embed_tokens.weight.dtype
         self.device = base.embed_tokens.weight.device
+        self.ops = decoder_ops.select(ops, self.device)
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
@@ -182,12 +187,6 @@ class LeanDecoder:
     def columns(self) -> int:
         return self.vocab_size if self.token_ids is None else int(self.token_ids.numel())
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
-        # transformers normalizes in float32 and scales in the model's dtype
-        return weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
-
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -212,8 +211,11 @@ class LeanDecoder:
         x = self.embed[tokens]  # [T, hidden]
         cos, sin = self._rope(positions.to(self.inv_freq.device))
         cos, sin = cos.to(x.device), sin.to(x.device)
+        delta = None  # the last layer's MLP output, added to x with the next norm
         for i in range(self.num_layers):
             if prune is not None and i == prune[0]:
+                if delta is not None:
+                    x, delta = x + delta, None
                 alive = prune[1](x)
                 if alive is not None:
                     x, cos, sin = x[alive], cos[alive], sin[alive]
@@ -223,10 +225,11 @@ class LeanDecoder:
                     if isinstance(prompt, torch.Tensor):
                         prompt = index[prompt]
                     layers = self._layers(rows, prompt, everything)
-            x = self._layer(i, layers[i], x, cos, sin, attend)
+            x, delta = self._layer(i, layers[i], x, delta, cos, sin, attend)
         if everything or rows.numel() == 0:
             return None
-        return self._norm(x[rows], self.final_norm)
+        return self.ops.add_norm(x[rows], None if delta is None else delta[rows],
+                                 self.final_norm, self.eps)[1]
 
     def _layers(self, rows: torch.Tensor | None, prompt: torch.Tensor | int | None,
                 everything: bool) -> list[tuple[Linear, ...]]:
@@ -237,21 +240,20 @@ class LeanDecoder:
         return [tuple(_split(d, p, split, rows) for d, p in zip(decode, prefill))
                 for decode, prefill in zip(self.layers, self.prefill_layers)]
 
-    def _layer(self, i: int, products: tuple[Linear, ...], x: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+    def _layer(self, i: int, products: tuple[Linear, ...], x: torch.Tensor,
+               delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i over x + delta (the residual stream, the last layer's MLP output not yet
+        added): returns the stream after attention and this layer's MLP output."""
         qkv_proj, o_proj, gate_up_proj, down_proj = products
-        t, heads, kv_heads, d = int(x.shape[0]), self.heads, self.kv_heads, self.head_dim
-        qk_width, half = (heads + kv_heads) * d, d // 2
+        t, heads, ops = int(x.shape[0]), self.heads, self.ops
         norm_in, norm_post = self.norms[i]
-        qkv = qkv_proj(self._norm(x, norm_in))  # [T, (H + 2 KVH) d]
-        qk = qkv[:, :qk_width].view(t, heads + kv_heads, d)
-        rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-        qk = qk * cos + rotated * sin  # RoPE on q and k at once: [T, H + KVH, d]
-        v = qkv[:, qk_width:].view(t, kv_heads, d)
-        out = attend(i, qk[:, :heads], qk[:, heads:], v)  # [T, H, d]
-        x = x + o_proj(out.reshape(t, heads * d))
-        gate, up = gate_up_proj(self._norm(x, norm_post)).chunk(2, dim=-1)
-        return x + down_proj(F.silu(gate) * up)
+        x, h = ops.add_norm(x, delta, norm_in, self.eps)
+        q, k, v = ops.rope(qkv_proj(h), heads, self.kv_heads, cos, sin)
+        out = attend(i, q, k, v)  # [T, H, d]
+        x, h = ops.add_norm(x, o_proj(out.reshape(t, heads * self.head_dim)), norm_post,
+                            self.eps)
+        return x, down_proj(ops.silu_mul(gate_up_proj(h)))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [R, columns] of final hidden states [R, hidden]."""

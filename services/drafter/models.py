@@ -146,7 +146,8 @@ def load_draft_lm(spec: DraftSpec, settings: Settings, target_path, label: str,
     if settings.draft_runner == "lean" and reason is not None:
         raise ValueError(f"draft_runner=lean: {reason}")
     if settings.draft_runner != "transformers" and reason is None:
-        return LeanLM(model, label, prepare=linear_converter(spec, settings))
+        return LeanLM(model, label, prepare=linear_converter(spec, settings),
+                      ops=settings.decoder_ops)
     linear_converter(spec, settings)(model)
     return CausalLM(model, label)
 

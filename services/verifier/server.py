@@ -115,7 +115,8 @@ def load_target(settings: Settings) -> CausalLM | LeanDecoder | GgmlLM:
             lm = LeanDecoder(model, settings.model,
                              prepare=lambda m: models.convert_linears(m, settings.linear, weights,
                                                                       row_stable=exact),
-                             fuse_key=native_key if weights == "native" else None)
+                             fuse_key=native_key if weights == "native" else None,
+                             ops=settings.decoder_ops)
             del model
     log.info("target %s on %s: %d layers, %s, %s weights, %s forward", settings.model, device,
              lm.num_layers, dtype, weights,
