@@ -3,8 +3,9 @@
 Between its four products a Llama / Qwen2 layer runs a residual add and RMSNorm twice, RoPE on
 q and k, and SiLU(gate) x up: in torch ~20 small kernels a layer, each a launch that costs more
 than its work on a GPU, even replayed from a CUDA graph. `TritonOps` runs each step as one
-kernel (vLLM's fused_add_rms_norm, rotary_embedding and silu_and_mul): about 9 launches a layer
-with the products and attention. `TorchOps` is the reference and the CPU path: the same ops in
+kernel (vLLM's fused_add_rms_norm, rotary_embedding and silu_and_mul; RoPE also writes the
+new K/V rows to a paged cache where the caller gives one, as vLLM's reshape_and_cache): about
+9 launches a layer with the products and attention. `TorchOps` is the reference and the CPU path: the same ops in
 the same order as transformers' decoder. Both round where torch rounds (the model's dtype after
 every op, normalization in float32), so bf16 results agree to the bit but for the norm's
 reduction order and exp's last float32 bit (tests/test_decoder_ops.py).
@@ -17,6 +18,8 @@ import torch
 import torch.nn.functional as F
 
 CHOICES = ("auto", "torch", "triton")
+# where a layer's new K/V rows go: k_cache, v_cache [num_slots, KVH, d] and the rows' slots [T]
+KVStore = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class TorchOps:
@@ -36,16 +39,22 @@ class TorchOps:
         return x, weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
     @staticmethod
-    def rope(qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, sin: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def rope(qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+             store: KVStore | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, H, d], k [T, KVH, d] rotated and v [T, KVH, d] of a fused q/k/v product
-        [T, (H + 2 KVH) d]; cos, sin [T, 1, d] in the model's dtype."""
+        [T, (H + 2 KVH) d]; cos, sin [T, 1, d] in the model's dtype. `store`: k and v also
+        written to the caches' slots."""
         t, d = int(qkv.shape[0]), int(cos.shape[-1])
         width, half = (heads + kv_heads) * d, d // 2
         qk = qkv[:, :width].view(t, heads + kv_heads, d)
         rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
         qk = qk * cos + rotated * sin  # RoPE on q and k at once
-        return qk[:, :heads], qk[:, heads:], qkv[:, width:].view(t, kv_heads, d)
+        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, width:].view(t, kv_heads, d)
+        if store is not None:
+            k_cache, v_cache, slots = store
+            k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+            v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+        return q, k, v
 
     @staticmethod
     def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Triton kernels of the lean decoder's elementwise steps (decoder_ops.py has the reference).
 
 - `add_rms_norm_kernel`: a row's residual add (in place) and RMSNorm, one program a row.
-- `rope_kernel`: RoPE on every q and k head of a row, in place in the fused q/k/v product.
+- `rope_kernel`: RoPE on every q and k head of a row, in place in the fused q/k/v product; with
+  `STORE`, the row's rotated k and its v also written to its slot of a paged cache.
 - `silu_mul_kernel`: SiLU(gate) * up over blocks of a row's intermediate columns.
 `ROUND` rounds to the model's dtype wherever torch's separate ops do (the products and sums of
 RoPE, the activation before its product, the normalized row before its scale), so a bf16 result
@@ -15,6 +16,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from specmesh_kernels.decoder_ops import KVStore
 
 
 @triton.jit
@@ -63,8 +66,10 @@ def add_rms_norm_kernel(X, D, W, Y, stride_x, stride_d, stride_y, n, eps,
 
 
 @triton.jit
-def rope_kernel(QK, COS, SIN, stride_t, stride_h, stride_ct, stride_st, n_heads,
+def rope_kernel(QK, COS, SIN, KC, VC, SLOTS, stride_t, stride_h, stride_ct, stride_st,
+                stride_ks, stride_vs, n_heads, heads,
                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr,
+                BLOCK_V: tl.constexpr, V_WIDTH: tl.constexpr, STORE: tl.constexpr,
                 ROUND: tl.constexpr, BITS: tl.constexpr):
     t = tl.program_id(0)
     h = tl.arange(0, BLOCK_H)
@@ -82,8 +87,18 @@ def rope_kernel(QK, COS, SIN, stride_t, stride_h, stride_ct, stride_st, n_heads,
     # torch: qk * cos + cat(-x2, x1) * sin, every product and the sum in the model's dtype
     y1 = _rounded(x1 * c1, dtype, ROUND, BITS) + _rounded(-x2 * s1, dtype, ROUND, BITS)
     y2 = _rounded(x2 * c2, dtype, ROUND, BITS) + _rounded(x1 * s2, dtype, ROUND, BITS)
-    tl.store(lo, _cast(y1, dtype, BITS), mask=ok)
-    tl.store(lo + HALF, _cast(y2, dtype, BITS), mask=ok)
+    y1, y2 = _cast(y1, dtype, BITS), _cast(y2, dtype, BITS)
+    tl.store(lo, y1, mask=ok)
+    tl.store(lo + HALF, y2, mask=ok)
+    if STORE:  # the row's k heads and v to its cache slot ([KVH, d] rows, contiguous)
+        slot = tl.load(SLOTS + t).to(tl.int64)
+        k_ok = ok & (h >= heads)[:, None]
+        k_at = KC + slot * stride_ks + (h - heads)[:, None] * (2 * HALF) + j[None, :]
+        tl.store(k_at, y1, mask=k_ok)
+        tl.store(k_at + HALF, y2, mask=k_ok)
+        c = tl.arange(0, BLOCK_V)
+        v = tl.load(QK + t * stride_t + n_heads * stride_h + c, mask=c < V_WIDTH)
+        tl.store(VC + slot * stride_vs + c, v, mask=c < V_WIDTH)
 
 
 @triton.jit
@@ -137,19 +152,30 @@ class TritonOps:
         return x, y
 
     @staticmethod
-    def rope(qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, sin: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def rope(qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+             store: KVStore | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         _rows(qkv)
         t, d = int(qkv.shape[0]), int(cos.shape[-1])
         width = (heads + kv_heads) * d
         assert qkv.shape[1] == width + kv_heads * d, "qkv: [T, (H + 2 KVH) d]"
         assert cos.shape == sin.shape == (t, 1, d) and cos.dtype == qkv.dtype, "cos, sin"
+        if store is not None:
+            k_cache, v_cache, slots = store
+            for cache in (k_cache, v_cache):
+                assert cache.shape[1:] == (kv_heads, d) and cache.dtype == qkv.dtype, \
+                    "caches [num_slots, KVH, d] in the model's dtype"
+                assert cache.stride(1) == d and cache.stride(2) == 1, "a slot's row contiguous"
+            assert slots.shape == (t,) and slots.device == qkv.device, "a slot a row"
+        else:
+            k_cache = v_cache = slots = qkv
         if t:
-            rope_kernel[(t,)](qkv, cos, sin, qkv.stride(0), d, cos.stride(0), sin.stride(0),
-                              heads + kv_heads, HALF=d // 2,
+            rope_kernel[(t,)](qkv, cos, sin, k_cache, v_cache, slots, qkv.stride(0), d,
+                              cos.stride(0), sin.stride(0), k_cache.stride(0), v_cache.stride(0),
+                              heads + kv_heads, heads, HALF=d // 2,
                               BLOCK_H=triton.next_power_of_2(heads + kv_heads),
                               BLOCK_J=triton.next_power_of_2(d // 2),
-                              **_flags(qkv), enable_fp_fusion=False)
+                              BLOCK_V=triton.next_power_of_2(kv_heads * d), V_WIDTH=kv_heads * d,
+                              STORE=store is not None, **_flags(qkv), enable_fp_fusion=False)
         return (qkv[:, :heads * d].view(t, heads, d), qkv[:, heads * d:width].view(t, kv_heads, d),
                 qkv[:, width:].view(t, kv_heads, d))
 

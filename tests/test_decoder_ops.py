@@ -89,6 +89,27 @@ def test_rope_in_place_equals_torch(ops, dtype, rows, heads, kv_heads, d):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,heads,kv_heads,d", [(1, 4, 2, 16), (6, 9, 3, 64)])
+def test_rope_writes_k_and_v_to_their_slots_as_index_copy(ops, dtype, rows, heads, kv_heads, d):
+    """With a paged cache given, the rotated k rows and the v rows land in their (shuffled)
+    slots, as torch's index_copy_ puts them; no other slot changes."""
+    gen = torch.Generator().manual_seed(rows + d)
+    qkv = randn(rows, (heads + 2 * kv_heads) * d, gen=gen, dtype=dtype)
+    cos, sin = rope_tables(torch.arange(rows) + 11, d, dtype)
+    slots = torch.randperm(40, generator=gen)[:rows].to(DEVICE)
+    caches = {}
+    for name, impl in (("torch", TorchOps), ("triton", ops)):
+        k_cache, v_cache = randn(40, kv_heads, d, gen=torch.Generator().manual_seed(5),
+                                 dtype=dtype), torch.zeros(40, kv_heads, d, device=DEVICE,
+                                                           dtype=dtype)
+        q, k, v = impl.rope(qkv.clone(), heads, kv_heads, cos, sin, (k_cache, v_cache, slots))
+        caches[name] = (q, k, v, k_cache, v_cache)
+    for a, b in zip(caches["triton"], caches["torch"]):
+        assert_matches(a, b, exact=True)
+    assert torch.equal(caches["triton"][3][slots], caches["triton"][1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,inter", [(1, 128), (6, 1000), (3, 2304)])
 def test_silu_mul_equals_torch(ops, dtype, rows, inter):
     gen = torch.Generator().manual_seed(rows + inter)

@@ -25,6 +25,8 @@ ARCHITECTURES = ("llama", "qwen2")
 
 # attend(layer, q [T, H, d], k [T, KVH, d], v [T, KVH, d]) -> attention output [T, H, d]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# store(layer) -> (k_cache, v_cache, slots [T]): where layer's new K/V rows go, written with RoPE
+Store = Callable[[int], decoder_ops.KVStore]
 # keep(x [T, hidden] after the first n layers) -> [T] bool rows that go on (None: all)
 Prune = Callable[[torch.Tensor], "torch.Tensor | None"]
 
@@ -195,7 +197,8 @@ class LeanDecoder:
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend,
             rows: torch.Tensor | None, prompt: torch.Tensor | int | None = None,
-            prune: tuple[int, Prune] | None = None) -> torch.Tensor | None:
+            prune: tuple[int, Prune] | None = None, store: Store | None = None
+            ) -> torch.Tensor | None:
         """The decoder over T new rows (`tokens`, `positions`: [T] long on the model's device),
         attention by `attend`; returns the final (normalized) hidden states of `rows` [R,
         hidden] (None: no rows need them, e.g. prefill chunks: the final norm is skipped).
@@ -205,7 +208,9 @@ class LeanDecoder:
         `prune` = (n, keep): after layer n, `keep(x)` may return which rows go on ([T] bool;
         None: all): the later layers run on those only (`attend` then sees only them, so
         `keep` switches it too), and the result holds the kept rows of `rows`, in order.
-        Prompt rows must be kept."""
+        Prompt rows must be kept. `store`: each layer's K/V written to its paged cache with
+        RoPE (one launch with the fused ops), `attend` then only reads them (not with `prune`)."""
+        assert store is None or prune is None, "a pruned run's rows change mid-forward"
         everything = rows is None or rows.numel() == 0
         layers = self._layers(rows, prompt, everything)
         x = self.embed[tokens]  # [T, hidden]
@@ -225,7 +230,8 @@ class LeanDecoder:
                     if isinstance(prompt, torch.Tensor):
                         prompt = index[prompt]
                     layers = self._layers(rows, prompt, everything)
-            x, delta = self._layer(i, layers[i], x, delta, cos, sin, attend)
+            x, delta = self._layer(i, layers[i], x, delta, cos, sin, attend,
+                                   None if store is None else store(i))
         if everything or rows.numel() == 0:
             return None
         return self.ops.add_norm(x[rows], None if delta is None else delta[rows],
@@ -241,15 +247,15 @@ class LeanDecoder:
                 for decode, prefill in zip(self.layers, self.prefill_layers)]
 
     def _layer(self, i: int, products: tuple[Linear, ...], x: torch.Tensor,
-               delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
+               store: decoder_ops.KVStore | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i over x + delta (the residual stream, the last layer's MLP output not yet
         added): returns the stream after attention and this layer's MLP output."""
         qkv_proj, o_proj, gate_up_proj, down_proj = products
         t, heads, ops = int(x.shape[0]), self.heads, self.ops
         norm_in, norm_post = self.norms[i]
         x, h = ops.add_norm(x, delta, norm_in, self.eps)
-        q, k, v = ops.rope(qkv_proj(h), heads, self.kv_heads, cos, sin)
+        q, k, v = ops.rope(qkv_proj(h), heads, self.kv_heads, cos, sin, store)
         out = attend(i, q, k, v)  # [T, H, d]
         x, h = ops.add_norm(x, o_proj(out.reshape(t, heads * self.head_dim)), norm_post,
                             self.eps)
