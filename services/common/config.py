@@ -276,7 +276,7 @@ class Settings(BaseSettings):
                             "onednn where the CPU runs the dtype, else fp16 for bf16, else torch")
     decoder_ops: Literal["auto", "torch", "triton"] = Field(
         "auto", description="the lean forward's elementwise steps (residual add + RMSNorm, RoPE, "
-                            "SiLU x up): triton = one fused kernel each (a third of a layer's "
+                            "SiLU x up): triton = one fused kernel each (under half a layer's "
                             "launches; CUDA only), torch = torch's ops; auto = triton on CUDA, "
                             "torch on the CPU (docs/decisions/fused-decoder-ops.md)")
     target_weights: Literal["auto", "float", "native"] = Field(
