@@ -113,8 +113,12 @@ def test_each_node_of_a_wide_tree_sees_its_path_only(gguf, reference, tokenizer)
         assert lm.model.seq_max(cache.seq) == n + 1
         got = lm.forward_many([Part(cache, torch.tensor([7]), logits_from=0)])[0][0].numpy()
         want = logits_after(reference, context + [11, 44, 7])
-        assert float(np.abs(got - want).max()) <= REORDERED * float(np.abs(want).max())
-        assert got.argmax() == want.argmax()
+        scale = float(np.abs(want).max())
+        assert float(np.abs(got - want).max()) <= REORDERED * scale
+        # the reordered sums may swap a near tie (an AMX Xeon: the top two 0.02 apart of ~30)
+        second, first = np.argsort(want)[-2:]
+        near_tie = want[first] - want[second] < 0.01 * scale
+        assert got.argmax() == first or (near_tie and got.argmax() == second)
         cache.close()
         assert len(lm._free) == 16  # every sequence id back
     finally:
