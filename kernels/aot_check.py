@@ -42,6 +42,31 @@ def _variants(head_dim: int):
     sig = {"K": "*bf16", "V": "*bf16", "SRC": "*i64", "DST": "*i64", "R": "i32",
            "stride_kl": "i64", "stride_ks": "i32", "width": "i32"}
     yield tk.compact_kernel, sig, dict(BLOCK=1024)
+    yield from _decoder_variants(head_dim)
+
+
+def _decoder_variants(head_dim: int):
+    """The decoder's fused elementwise kernels (decoder_triton.py) in fp32 and bf16, with and
+    without the delta / the KV store, at Qwen2.5-1.5B's sizes."""
+    from specmesh_kernels import decoder_triton as dk
+
+    for dt in ("fp32", "bf16"):
+        flags = dict(ROUND=dt == "bf16", BITS=False)
+        for has_delta in (False, True):
+            sig = {"X": f"*{dt}", "D": f"*{dt}", "W": f"*{dt}", "Y": f"*{dt}",
+                   **{n: "i32" for n in ("stride_x", "stride_d", "stride_y", "n")},
+                   "eps": "fp32"}
+            yield dk.add_rms_norm_kernel, sig, dict(HAS_DELTA=has_delta, **flags, BLOCK=2048)
+        for store in (False, True):
+            sig = {"QK": f"*{dt}", "COS": f"*{dt}", "SIN": f"*{dt}", "KC": f"*{dt}",
+                   "VC": f"*{dt}", "SLOTS": "*i64",
+                   **{n: "i32" for n in ("stride_t", "stride_h", "stride_ct", "stride_st",
+                                         "stride_ks", "stride_vs", "n_heads", "heads")}}
+            yield dk.rope_kernel, sig, dict(HALF=head_dim // 2, BLOCK_H=16,
+                                            BLOCK_J=head_dim // 2, BLOCK_V=256,
+                                            V_WIDTH=2 * head_dim, STORE=store, **flags)
+        sig = {"GU": f"*{dt}", "OUT": f"*{dt}", "stride_g": "i32", "stride_o": "i32", "n": "i32"}
+        yield dk.silu_mul_kernel, sig, dict(**flags, BLOCK=dk.SILU_BLOCK)
 
 
 def main() -> None:
@@ -59,7 +84,7 @@ def main() -> None:
     for fn, sig, consts in _variants(args.head_dim):
         sig = {**sig, **{name: "constexpr" for name in consts}}
         compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
-                                  target=target)
+                                  target=target, options={"enable_fp_fusion": False})
         print(f"{fn.__name__:22s} sm_{args.arch} shared={compiled.metadata.shared:6d} B  "
               f"{ {k: v for k, v in consts.items() if k.startswith(('BLOCK', 'WRITE'))} }")
 

@@ -30,20 +30,25 @@ def _bf16_bits(x):
 
 @triton.jit
 def _rounded(x, DTYPE: tl.constexpr, ROUND: tl.constexpr, BITS: tl.constexpr):
-    """x (float32) rounded to DTYPE where ROUND, kept in float32."""
+    """x (float32) rounded to DTYPE where ROUND, kept in float32 (one return: branches on
+    constexprs only)."""
+    y = x
     if ROUND:
         if BITS:
-            return _bf16_bits(x)
-        return x.to(DTYPE).to(tl.float32)
-    return x
+            y = _bf16_bits(x)
+        else:
+            y = x.to(DTYPE).to(tl.float32)
+    return y
 
 
 @triton.jit
 def _cast(x, DTYPE: tl.constexpr, BITS: tl.constexpr):
     """x (float32) in DTYPE, rounded to nearest."""
     if BITS:
-        return _bf16_bits(x).to(DTYPE)
-    return x.to(DTYPE)
+        y = _bf16_bits(x).to(DTYPE)
+    else:
+        y = x.to(DTYPE)
+    return y
 
 
 @triton.jit
