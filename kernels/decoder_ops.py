@@ -1,14 +1,14 @@
 """The lean decoder's elementwise steps (services/common/lean.py), in torch or fused in Triton.
 
 Between its four products a Llama / Qwen2 layer runs a residual add and RMSNorm twice, RoPE on
-q and k, and SiLU(gate) x up: in torch ~20 small kernels a layer, each a launch that costs more
+q and k, and SiLU(gate) x up: in torch ~18 small kernels a layer, each a launch that costs more
 than its work on a GPU, even replayed from a CUDA graph. `TritonOps` runs each step as one
-kernel (vLLM's fused_add_rms_norm, rotary_embedding and silu_and_mul; RoPE also writes the
-new K/V rows to a paged cache where the caller gives one, as vLLM's reshape_and_cache): about
-9 launches a layer with the products and attention. `TorchOps` is the reference and the CPU path: the same ops in
-the same order as transformers' decoder. Both round where torch rounds (the model's dtype after
-every op, normalization in float32), so bf16 results agree to the bit but for the norm's
-reduction order and exp's last float32 bit (tests/test_decoder_ops.py).
+kernel (vLLM's fused_add_rms_norm, rotary_embedding and silu_and_mul; RoPE also writes the new
+K/V rows to a paged cache where the caller gives one, as vLLM's reshape_and_cache): about 9
+launches a layer with the products and attention. `TorchOps` is the reference and the CPU
+path: the same ops in the same order as transformers' decoder. Both round where torch rounds
+(the model's dtype after every op, normalization in float32), so bf16 results agree to the bit
+but for the norm's reduction order and exp's last float32 bit (tests/test_decoder_ops.py).
 """
 from __future__ import annotations
 

@@ -7,9 +7,9 @@
 `ROUND` rounds to the model's dtype wherever torch's separate ops do (the products and sums of
 RoPE, the activation before its product, the normalized row before its scale), so a bf16 result
 is torch's to the bit but for the reductions' order and exp; float32 runs without fused
-multiply-adds (`enable_fp_fusion=False`), as torch's separate kernels do. `BITS` rounds to bf16 by integer
-ops: Triton's interpreter (the CPU tests) truncates float32 -> bf16 instead of rounding to
-nearest. Imported lazily.
+multiply-adds (`enable_fp_fusion=False`), as torch's separate kernels do. `BITS` rounds to bf16
+by integer ops: Triton's interpreter (the CPU tests) truncates float32 -> bf16 instead of
+rounding to nearest. Imported lazily.
 """
 from __future__ import annotations
 
