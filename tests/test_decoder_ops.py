@@ -99,9 +99,8 @@ def test_rope_writes_k_and_v_to_their_slots_as_index_copy(ops, dtype, rows, head
     slots = torch.randperm(40, generator=gen)[:rows].to(DEVICE)
     caches = {}
     for name, impl in (("torch", TorchOps), ("triton", ops)):
-        k_cache, v_cache = randn(40, kv_heads, d, gen=torch.Generator().manual_seed(5),
-                                 dtype=dtype), torch.zeros(40, kv_heads, d, device=DEVICE,
-                                                           dtype=dtype)
+        k_cache = randn(40, kv_heads, d, gen=torch.Generator().manual_seed(5), dtype=dtype)
+        v_cache = torch.zeros(40, kv_heads, d, device=DEVICE, dtype=dtype)
         q, k, v = impl.rope(qkv.clone(), heads, kv_heads, cos, sin, (k_cache, v_cache, slots))
         caches[name] = (q, k, v, k_cache, v_cache)
     for a, b in zip(caches["triton"], caches["torch"]):

@@ -5,7 +5,8 @@ target over the paged KV store).
 `LeanDecoder` computes what transformers' decoder does, with q/k/v and gate/up fused where the
 weights are of one kind (`fuse_key`), rotary embeddings on q and k together, the elementwise
 steps between the products in torch or fused Triton kernels (`ops`: kernels/decoder_ops.py),
-attention through the caller's `Attend` (it stores K/V in the caller's layout) and the final
+attention through the caller's `Attend` (it stores K/V in the caller's layout, or `run`'s
+`store` names where the decoder writes them) and the final
 hidden states of the logit rows returned for draft heads; its numbers equal transformers' up
 to float rounding
 (tests/test_lean_draft.py, tests/test_lean_target.py). `supports` says why an architecture is

@@ -6,8 +6,9 @@ work-item table, every segment's KV slots and tree mask) go into persistent buff
 host-to-device copies; the forward over the bucket (the lean decoder's layers, the Triton tree
 attention over the item table, final norm, LM head) is captured once per bucket as a CUDA graph
 and replayed: one launch instead of ~10 a layer (the decoder's fused elementwise kernels, RoPE
-writing the new rows' K/V to the store). Padding rows write their K/V to the store's scratch slot and belong to no work item; their outputs are dropped. Batch size needs no buckets
-of its own: requests enter only through the item table, padded with empty items to one per row.
+writing the new rows' K/V to the store). Padding rows write their K/V to the store's scratch
+slot and belong to no work item; their outputs are dropped. Batch size needs no buckets of its
+own: requests enter only through the item table, padded with empty items to one per row.
 A step whose longest KV passes the split-KV threshold replays a graph of its own per bucket
 and power-of-two count of KV chunks C: every segment's KV cut into chunks of at most
 `SPLIT_KV_CHUNK` positions, each chunk a work item writing a partial state, merged by
