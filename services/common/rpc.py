@@ -101,10 +101,14 @@ async def start_server(register: Sequence[tuple[Callable[[Any, grpc.aio.Server],
     reflection.enable_server_reflection(
         [name for _, _, name in register] + [health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     credentials = security.server_credentials(tls) if tls is not None else None
-    bound = (server.add_secure_port(f"{host}:{port}", credentials) if credentials is not None
-             else server.add_insecure_port(f"{host}:{port}"))
+    try:  # grpcio returns 0 for a port it cannot bind, or (newer releases) raises
+        bound = (server.add_secure_port(f"{host}:{port}", credentials) if credentials is not None
+                 else server.add_insecure_port(f"{host}:{port}"))
+    except RuntimeError:
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
+        raise OSError(f"cannot listen on {host}:{port}: the port is in use or the address is "
+                      "not this machine's")
     await server.start()
     for _, _, service_name in register:
         await health_servicer.set(service_name, health_pb2.HealthCheckResponse.SERVING)
