@@ -1,8 +1,9 @@
 """A GPU measured and checked: the kernel and CUDA tests; SmolLM2-135M's real weights through
 transformers' `generate` (eager, static cache compiled, batch 8) beside specmesh (embedded with
 speculation off and on, batch 1 and 8; `specmesh up`); the verify step's cost for the
-Qwen2.5-1.5B shape (random weights) replayed from CUDA graphs and eager; a minimal decoder eager
-vs replayed from a CUDA graph, the floor of a captured step (docs/benchmarks/scripts.md).
+Qwen2.5-1.5B shape (random weights) replayed from CUDA graphs and eager; a draft model's levels
+(the Qwen2.5-0.5B shape) eager and replayed from graphs; a minimal decoder eager vs replayed
+from a CUDA graph, the floor of a captured step (docs/benchmarks/scripts.md).
 
     python -m bench.gpu --tests --out DIR       # bench/device.sh runs it where no registry is
     python -m bench.gpu --device cpu --quick    # the dry run on a CPU, about a minute
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 import transformers
 
 from bench.batch import _until_eos
+from bench.gpu_draft import draft_costs, draft_table
 from bench.run import RESULTS, Config, MethodResult, Prompt, _record, mtbench_prompts
 from bench.step_time import host
 from specmesh_services.common import models
@@ -40,14 +42,15 @@ from specmesh_services.launch.redis_server import find_redis_server
 MODEL = "smollm2-135m"
 TESTS = ["tests/test_kernels.py", "tests/test_decoder_ops.py", "tests/test_cuda.py",
          "tests/test_cuda_mesh.py", "tests/test_walk_draws.py"]
-PARTS = ("generate", "mesh", "step", "anchor", "up")  # in run order: the most fragile last
+PARTS = ("generate", "mesh", "step", "draft", "anchor", "up")  # in run order: the most fragile last
 # hidden, intermediate, layers, heads, kv heads, vocab (Qwen2: q/k/v biases, tied embeddings)
-SHAPES = {"qwen2.5-1.5b": (1536, 8960, 28, 12, 2, 151936), "tiny": (64, 128, 2, 4, 2, 512)}
+SHAPES = {"qwen2.5-1.5b": (1536, 8960, 28, 12, 2, 151936),
+          "qwen2.5-0.5b": (896, 4864, 24, 14, 2, 151936), "tiny": (64, 128, 2, 4, 2, 512)}
 FULL = {"prompts": 8, "max_tokens": 128, "rows": [1, 2, 4, 8, 16, 32, 64],
         "contexts": [512, 1024, 2048, 4096], "reps": 5, "shape": "qwen2.5-1.5b",
-        "anchor_context": 1024}
+        "anchor_context": 1024, "draft_shape": "qwen2.5-0.5b", "draft_contexts": [512, 2048]}
 QUICK = {"prompts": 8, "max_tokens": 8, "rows": [1, 8, 64], "contexts": [512, 1024], "reps": 2,
-         "shape": "tiny", "anchor_context": 512}
+         "shape": "tiny", "anchor_context": 512, "draft_shape": "tiny", "draft_contexts": [64]}
 LABELS = {"generate": "transformers generate, eager",
           "generate-static": "generate, static cache, compiled",
           "mesh-off": "specmesh embedded, speculation off",
@@ -316,9 +319,14 @@ def up_row(config: Config, prompts: list[Prompt], settings: Settings, log_dir: P
 
 def random_target(shape: str, device: torch.device, dtype: torch.dtype):
     """A Qwen2 decoder of `shape` with random weights, as the lean target runner serves it."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
     from specmesh_services.common.lean import LeanDecoder
+
+    return LeanDecoder(random_model(shape, device, dtype), f"{shape} (random weights)")
+
+
+def random_model(shape: str, device: torch.device, dtype: torch.dtype):
+    """transformers' Qwen2 of `shape` with random weights, made on `device`."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
 
     hidden, inter, layers, heads, kv_heads, vocab = SHAPES[shape]
     config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
@@ -328,7 +336,7 @@ def random_target(shape: str, device: torch.device, dtype: torch.dtype):
     torch.manual_seed(0)
     with torch.device(device):  # initialized where it runs: no host copy of the weights
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return LeanDecoder(model.to(device).eval(), f"{shape} (random weights)")
+    return model.to(device).eval()
 
 
 def step_costs(lm, contexts: list[int], batches: list[int], rows: list[int], reps: int,
@@ -651,6 +659,9 @@ def markdown(report: dict) -> str:
             lines += ["CUDA kernels an eager one-row step launches, by the decoder's elementwise "
                       "ops: " + ", ".join(f"{k} {n}" for k, n in step["kernels"].items()) + ".",
                       ""]
+    levels = report.get("draft_levels")
+    if levels:
+        lines += draft_table(levels["shape"], levels["dtype"], levels)
     anchor = report.get("anchor")
     if anchor:
         rows = list(anchor["eager_ms"])
@@ -813,6 +824,15 @@ class Bench:
             self.report["step"]["eager"] = self.on_compute(
                 step_costs, lm, [context], [1], self.sizes["rows"], self.sizes["reps"], 2, 0)
             self.report["step"].update(self.on_compute(ops_costs, lm, context, self.sizes))
+
+    def draft(self) -> None:
+        shape = self.sizes["draft_shape"]
+        say(f"draft model levels, {shape} shape")
+        model = self.on_compute(random_model, shape, self.device, self.step_dtype)
+        result = self.on_compute(draft_costs, model, self.sizes["draft_contexts"],
+                                 [1, self.args.batch], [1, 4], self.sizes["reps"])
+        self.report["draft_levels"] = {"shape": shape, "dtype": self.report["step_dtype"],
+                                       **result}
 
     def anchor(self) -> None:
         say(f"decoder anchor, {self.sizes['shape']} shape")

@@ -19,8 +19,9 @@ import triton.language as tl
 from specmesh_kernels.metadata import TreeBatch
 
 # a work-item row: q_lo, q_hi (query rows of the item), q_seg (segment's first row), n_new
-# (segment's new rows), kv_off (segment's start in kv_slots), kv_lo, kv_hi (KV positions of the
-# item), prefix (segment's prefix length), mask_off (segment's tree-mask block), chunk (index)
+# (the tree mask's row width: the segment's new rows, or more for a draft level), kv_off
+# (segment's start in kv_slots), kv_lo, kv_hi (KV positions of the item), prefix (positions
+# before the mask), mask_off (segment's tree-mask block), chunk (index)
 ITEM_COLS = 10
 ITEM_STRIDE = tl.constexpr(ITEM_COLS)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -198,10 +199,12 @@ def work_items(meta: TreeBatch, ranges: list[tuple[int, int, int, int]], rows_pe
 
 
 def item_rows(q_seg: int, n: int, kv_off: int, kv_lo: int, kv_hi: int, prefix: int,
-              mask_off: int, chunk: int, rows_per_item: int) -> list[tuple[int, ...]]:
-    """The work-item rows of one segment's KV range: its n query rows from q_seg in blocks."""
-    return [(q_lo, min(q_lo + rows_per_item, q_seg + n), q_seg, n, kv_off, kv_lo, kv_hi,
-             prefix, mask_off, chunk) for q_lo in range(q_seg, q_seg + n, rows_per_item)]
+              mask_off: int, chunk: int, rows_per_item: int, width: int = 0
+              ) -> list[tuple[int, ...]]:
+    """The work-item rows of one segment's KV range: its n query rows from q_seg in blocks.
+    Its mask is [n, width] (0: [n, n]) over the positions from `prefix` on."""
+    return [(q_lo, min(q_lo + rows_per_item, q_seg + n), q_seg, width or n, kv_off, kv_lo,
+             kv_hi, prefix, mask_off, chunk) for q_lo in range(q_seg, q_seg + n, rows_per_item)]
 
 
 def rows_per_item(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,

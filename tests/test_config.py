@@ -207,6 +207,13 @@ def test_dicts_with_unknown_keys_are_refused_with_the_nearest():
         check_keys({"drafter": []})
 
 
+def test_a_draft_bucket_too_small_for_a_tree_level_is_refused():
+    assert Settings(draft_graph_rows=0).draft_graph_rows == 0
+    assert Settings(draft_graph_rows=64).draft_graph_rows == 64
+    with pytest.raises(ValueError, match="at least 64"):
+        Settings(draft_graph_rows=32)
+
+
 def test_dotted_keys_are_checked_against_the_settings():
     check_keys({"speculation.width": 2, "drafters": ["layers:8"], "dtype": "float32"})
     for bad in ({"speculation.widht": 2}, {"speculaton.width": 2}, {"drafter": []}):

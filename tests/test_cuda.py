@@ -294,3 +294,20 @@ def test_graph_replay_equals_eager_on_cuda(dtype):
     tol = 1e-4 if dtype == "fp32" else 5e-2
     for x, y in zip(out[16][0], out[0][0]):
         assert (x - y).abs().max().item() <= tol * max(1.0, y.abs().max().item())
+
+
+def test_draft_graphs_draft_the_lean_trees_on_cuda():
+    """tests/test_paged_draft.py's rounds (batched trees, rollbacks, pending rows, an eager
+    prefill) with the draft's steps replayed from CUDA graphs: the trees the lean forward over
+    per-request buffers drafts on the same card (fp32, TF32 off)."""
+    from specmesh_services.drafter.engine import DraftModel
+    from specmesh_services.drafter.lean import LeanLM
+    from test_lean_draft import tiny_qwen2
+    from test_paged_draft import paged, rounds
+
+    assert not torch.backends.cuda.matmul.allow_tf32
+    page = paged(device="cuda")
+    assert page.graphs.capture and page.capture_all() > 0
+    trees = rounds(DraftModel(page, "d", "model"))
+    assert trees == rounds(DraftModel(LeanLM(tiny_qwen2().to(CUDA), "d"), "d", "model"))
+    assert page.graphs.replays > 0

@@ -1,7 +1,7 @@
 """Serving on a GPU, end to end on the real model (skipped without CUDA): the embedded mesh with
 `device=cuda`, float32 with TF32 off, gives the target's own greedy tokens (CPU `generate`) with
-trees drafted by the truncated draft model (wider than a chain) and by the shipped draft heads,
-both verified on the device. The engine-level CUDA cases (batches of 8, sampled chi-square) are
+trees drafted by the truncated draft model (wider than a chain; its steps replayed from CUDA
+graphs) and by the shipped draft heads, both verified on the device. The engine-level CUDA cases (batches of 8, sampled chi-square) are
 test_batch_verify's `cuda` parameter."""
 import pytest
 import torch
@@ -25,6 +25,19 @@ def test_embedded_on_cuda_with_draft_model_trees(base_settings, questions, hf_gr
         **{"speculation.depth": 3, "speculation.width": 2})
     assert_lossless_with_drafts(settings, questions[:QUESTIONS],
                                 hf_greedy_reference[:QUESTIONS], compute)
+
+
+def test_draft_models_on_cuda_replay_graphs_unless_told_not_to(base_settings):
+    from specmesh_services.drafter.lean import LeanLM
+    from specmesh_services.drafter.models import build_draft_models
+    from specmesh_services.drafter.paged import PagedLM
+
+    settings = base_settings.with_overrides(device="cuda", drafters=["layers:4"])
+    (draft,) = build_draft_models(settings)
+    assert isinstance(draft.lm, PagedLM)
+    assert draft.lm.graphs.captured == len(draft.lm.graphs.buckets) and draft.level_seconds > 0
+    (draft,) = build_draft_models(settings.with_overrides(draft_graph_rows=0))
+    assert type(draft.lm) is LeanLM
 
 
 def test_embedded_on_cuda_with_heads_trees(base_settings, questions, hf_greedy_reference,

@@ -305,6 +305,13 @@ class Settings(BaseSettings):
                             "file (draft models, not layers:N; CPU only; "
                             "services/drafter/ggml_lm.py); auto = lean where the architecture "
                             "allows")
+    draft_graph_rows: int = Field(
+        256, ge=0, description="on CUDA with the lean draft runner: draft models keep their rows "
+                               "in a paged store (twice verifier.kv_budget_tokens) and a "
+                               "drafting forward of up to this many rows (64 at least: a tree "
+                               "level's most) is padded to a bucket and replayed from a CUDA "
+                               "graph captured at start-up (services/drafter/paged.py); 0 = "
+                               "eager over per-request buffers")
     target_runner: Literal["auto", "lean", "transformers", "ggml"] = Field(
         "auto", description="the target's forward: lean = specmesh's decoder loop for Llama / "
                             "Qwen2 targets over the paged KV store (fused products, no "
@@ -364,6 +371,13 @@ class Settings(BaseSettings):
     def _device_name(cls, value: str) -> str:
         if DEVICE_PATTERN.fullmatch(value) is None:
             raise ValueError("expected auto, cpu, cuda or cuda:N")
+        return value
+
+    @field_validator("draft_graph_rows")
+    @classmethod
+    def _draft_bucket(cls, value: int) -> int:
+        if 0 < value < 64:
+            raise ValueError("expected 0 (off) or at least 64, the rows of a tree level's widest")
         return value
 
     @field_validator("drafters", mode="before")

@@ -136,6 +136,7 @@ class DraftModel:
         if not tokens:
             raise ValueError("prefill needs at least one token")
         self._check_vocab(tokens)
+        self.release(request_id)  # a request prefilled again: its old rows go first
         cache = self.lm.new_cache()
         self.lm.prefill(cache, tokens[:-1])
         self.requests[request_id] = DraftState(cache, list(tokens), len(tokens) - 1,
@@ -143,7 +144,10 @@ class DraftModel:
         return len(tokens)
 
     def release(self, request_id: str) -> bool:
-        return self.requests.pop(request_id, None) is not None
+        state = self.requests.pop(request_id, None)
+        if state is not None and hasattr(state.cache, "free"):  # rows in a shared store
+            state.cache.free()
+        return state is not None
 
     def draft(self, request_id: str, new_tokens: list[int], depth: int, width: int,
               min_probability: float = 0.0) -> tuple[TokenTree, float]:

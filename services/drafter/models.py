@@ -26,6 +26,7 @@ from specmesh_services.drafter.engine import DraftModel
 from specmesh_services.drafter.ggml_lm import GgmlDraftLM
 from specmesh_services.drafter.lean import LeanLM
 from specmesh_services.drafter.lean import supports as lean_supports
+from specmesh_services.drafter.paged import PagedLM
 from specmesh_services.drafter.vocab import frequent_tokens, restrict_vocab, token_counts
 
 log = logging.getLogger(__name__)
@@ -146,8 +147,11 @@ def load_draft_lm(spec: DraftSpec, settings: Settings, target_path, label: str,
     if settings.draft_runner == "lean" and reason is not None:
         raise ValueError(f"draft_runner=lean: {reason}")
     if settings.draft_runner != "transformers" and reason is None:
-        return LeanLM(model, label, prepare=linear_converter(spec, settings),
-                      ops=settings.decoder_ops)
+        prepare = linear_converter(spec, settings)
+        if model.device.type == "cuda" and settings.draft_graph_rows:
+            return PagedLM(model, label, 2 * settings.verifier.kv_budget_tokens,
+                           settings.draft_graph_rows, prepare=prepare, ops=settings.decoder_ops)
+        return LeanLM(model, label, prepare=prepare, ops=settings.decoder_ops)
     linear_converter(spec, settings)(model)
     return CausalLM(model, label)
 
@@ -189,12 +193,16 @@ def build_draft_models(settings: Settings) -> list[DraftModel]:
                 raise ValueError(f"draft model '{spec.base}' does not share the tokenizer of the "
                                  f"target '{settings.model}': drafts must use the same token ids")
         lm = load_draft_lm(spec, settings, target_path, label, keep)
+        if isinstance(lm, PagedLM):
+            log.info("draft model %s: %d CUDA graphs captured in %.2f s", label,
+                     len(lm.graphs.buckets), lm.capture_all())
         out.append(DraftModel(lm, label, "truncated" if spec.layers is not None else "model"))
         out[-1].measure()
         ggml = isinstance(lm, GgmlDraftLM)
         log.info("draft model %s: %d layers, %s, %s forward, %.1f ms per drafting forward",
                  out[-1].name, lm.num_layers,
                  "its GGUF weights" if ggml else spec.quantized(lm.device) or lm.dtype,
-                 "llama.cpp" if ggml else "lean" if isinstance(lm, LeanLM) else "transformers",
+                 "llama.cpp" if ggml else "lean, graphs" if isinstance(lm, PagedLM)
+                 else "lean" if isinstance(lm, LeanLM) else "transformers",
                  1e3 * out[-1].level_seconds)
     return out

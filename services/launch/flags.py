@@ -36,7 +36,7 @@ GROUPS: dict[str, tuple[str, tuple[Flag, ...]]] = {
     "model": ("model and speculation", (
         Flag("model"), Flag("device", metavar="auto|cpu|cuda[:N]"), Flag("dtype"),
         Flag("target_weights"), Flag("linear"), Flag("decoder_ops"), Flag("target_runner"),
-        Flag("draft_runner"),
+        Flag("draft_runner"), Flag("draft_graph_rows", metavar="N"),
         Flag("drafters", "--draft", "SPEC"), Flag("draft_vocab", metavar="N"),
         Flag("speculation.depth", metavar="N"), Flag("speculation.width", metavar="N"),
         Flag("speculation.plain_tokens", metavar="N"),

@@ -14,7 +14,9 @@ and power-of-two count of KV chunks C: every segment's KV cut into chunks of at 
 `SPLIT_KV_CHUNK` positions, each chunk a work item writing a partial state, merged by
 log-sum-exp (kernels/decomposed.py), while bucket x C stays within the item table. Prefill
 chunks, early pruning and larger split steps run eagerly (vLLM, too, runs prefill outside its
-graphs). Without CUDA the same padded forward runs eagerly (tests).
+graphs). Without CUDA the same padded forward runs eagerly (tests). A segment's mask may be wider than
+its rows ([n, W], the last W positions under it): a draft model's tree level, whose rows see
+only their ancestors among the levels before (services/drafter/paged.py).
 """
 from __future__ import annotations
 
@@ -48,7 +50,8 @@ class StepGraphs:
 
     def __init__(self, lean: LeanDecoder, store: KVStore, max_rows: int = 256,
                  capture: bool | None = None, split_min: int = SPLIT_KV_MIN,
-                 chunk: int = SPLIT_KV_CHUNK) -> None:
+                 chunk: int = SPLIT_KV_CHUNK, mask_width: int = 0,
+                 capture_mode: str = "global") -> None:
         from specmesh_kernels import triton_kernels as tk  # lazy: imports triton
 
         self.lean, self.store, self.max_rows = lean, store, max_rows
@@ -57,6 +60,7 @@ class StepGraphs:
         self.split_min, self.chunk = split_min, chunk
         self.device = store.k.device
         self.capture = self.device.type == "cuda" if capture is None else capture
+        self.capture_mode = capture_mode  # "thread_local": other threads' CUDA work goes on
         self.buckets = buckets(max_rows)
         self._tk, self._cols = tk, tk.ITEM_COLS  # the work-item table's row width
         self._per_item = tk.rows_per_item(self.device, lean.dtype, lean.heads, lean.kv_heads,
@@ -68,8 +72,9 @@ class StepGraphs:
         pin = self.device.type == "cuda"
         self._host = torch.zeros(size, dtype=torch.long, pin_memory=pin)
         self._dev = torch.zeros(size, dtype=torch.long, device=self.device)
-        self._host_mask = torch.zeros(t * t, dtype=torch.uint8, pin_memory=pin)
-        self._dev_mask = torch.zeros(t * t, dtype=torch.uint8, device=self.device)
+        self.mask_size = t * max(t, mask_width)  # the masks' bytes: sum of n_s x W_s
+        self._host_mask = torch.zeros(self.mask_size, dtype=torch.uint8, pin_memory=pin)
+        self._dev_mask = torch.zeros(self.mask_size, dtype=torch.uint8, device=self.device)
         self._rows = torch.arange(t, device=self.device)
         self._copied = torch.cuda.Event() if pin else None  # the staging buffers are free again
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (rows, KV chunks)
@@ -93,11 +98,12 @@ class StepGraphs:
         return 1 << math.ceil(math.log2(-(-longest // self.chunk)))
 
     def covers(self, segments) -> bool:
-        """Every row needs logits, the rows fit the largest bucket, and a split step's work
-        items (bucket x chunks) fit the item table."""
+        """Every row needs logits, the rows fit the largest bucket, their masks the mask buffer,
+        and a split step's work items (bucket x chunks) fit the item table."""
         rows = sum(s.num_rows for s in segments)
         return (bool(segments) and rows <= self.max_rows
                 and all(s.logits_from == 0 for s in segments)
+                and sum(s.mask.numel() for s in segments) <= self.mask_size
                 and self.bucket(rows) * max(1, self.chunks(segments)) <= self.max_rows)
 
     @property
@@ -130,16 +136,16 @@ class StepGraphs:
         kv_slots, new_slots, masks, items = [], [], [], []
         q_at = kv_at = mask_at = 0
         for s in segments:
-            n = s.num_rows
+            n, width = s.num_rows, s.mask.shape[1]  # the mask covers the last `width` positions
             slots = store.slots(s.request_id, 0, s.start + n)
             kv_slots.append(slots)
             new_slots.append(slots[s.start:])
             masks.append(s.mask.reshape(-1))
             for c, (_, lo, hi) in enumerate(plan_chunks([s.start + n], self.chunk)
                                             if chunks else [(0, 0, s.start + n)]):
-                items += self._tk.item_rows(q_at, n, kv_at, lo, hi, s.start, mask_at, c,
-                                            self._per_item)
-            q_at, kv_at, mask_at = q_at + n, kv_at + s.start + n, mask_at + n * n
+                items += self._tk.item_rows(q_at, n, kv_at, lo, hi, s.start + n - width,
+                                            mask_at, c, self._per_item, width)
+            q_at, kv_at, mask_at = q_at + n, kv_at + s.start + n, mask_at + n * width
         host[:rows] = torch.cat([s.tokens for s in segments])
         host[rows:size] = 0
         host[t:t + rows] = torch.cat([s.positions for s in segments])
@@ -200,7 +206,7 @@ class StepGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode=self.capture_mode):
             self._outputs[size, chunks] = self._body(size, chunks)
         self._graphs[size, chunks] = graph
         seconds = time.perf_counter() - start

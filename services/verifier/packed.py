@@ -39,7 +39,9 @@ class Segment:
     start: int  # position of the first new row (= rows already in the KV store)
     tokens: torch.Tensor  # [n] long
     positions: torch.Tensor  # [n] long position ids (start + index for a chain, + depth in a tree)
-    mask: torch.Tensor  # [n, n] bool: new row i may attend new row j
+    # [n, n] bool: new row i may attend new row j; the bucketed step (graphs.py) also takes
+    # [n, W], W > n: the mask over the last W positions, the ones before always visible
+    mask: torch.Tensor
     logits_from: int  # rows >= this need logits (the tree part); n = none (a prefill chunk)
     parents: torch.Tensor | None = None  # tree rows' parent rows (root -1): early pruning
 
