@@ -14,9 +14,9 @@ and power-of-two count of KV chunks C: every segment's KV cut into chunks of at 
 `SPLIT_KV_CHUNK` positions, each chunk a work item writing a partial state, merged by
 log-sum-exp (kernels/decomposed.py), while bucket x C stays within the item table. Prefill
 chunks, early pruning and larger split steps run eagerly (vLLM, too, runs prefill outside its
-graphs). Without CUDA the same padded forward runs eagerly (tests). A segment's mask may be wider than
-its rows ([n, W], the last W positions under it): a draft model's tree level, whose rows see
-only their ancestors among the levels before (services/drafter/paged.py).
+graphs). Without CUDA the same padded forward runs eagerly (tests). A segment's mask may be
+wider than its rows ([n, W], the last W positions under it): a draft model's tree level, whose
+rows see only their ancestors among the levels before (services/drafter/paged.py).
 """
 from __future__ import annotations
 
