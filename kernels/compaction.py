@@ -1,6 +1,6 @@
 """KV compaction: accepting a tree path moves its rows to the end of the committed prefix.
 
-After the tree walk (services/verifier/kv.py: KVStore.commit) the rows of the root and the
+After the tree walk (services/common/kv.py: KVStore.commit) the rows of the root and the
 accepted nodes, at positions base + keep[i], must sit at base + i. The store turns that into
 slot pairs (src[i] -> dst[i]) and calls the backend's `compact` once per request, for ALL layers
 (k_cache, v_cache: [L, num_slots, KVH, D]). Semantics: the pairs are processed IN ORDER, as if

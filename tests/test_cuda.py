@@ -223,7 +223,7 @@ def test_lean_target_logits_on_cuda(arch, dtype):
 
 
 # ---------------------------------------------------------------------------------------------
-# the verify step replayed from CUDA graphs (services/verifier/graphs.py)
+# the verify step replayed from CUDA graphs (services/common/graphs.py)
 def tiny_cuda_lean(dtype: torch.dtype):
     """tests/test_step_graphs.py's tiny Qwen2 on CUDA."""
     from test_step_graphs import tiny_qwen2_lean
@@ -256,7 +256,7 @@ def test_split_kv_graphs_give_the_greedy_stream_on_cuda():
     """The same stream with KV past 24 positions cut into chunks of 8 inside the replayed
     graphs (partial states merged in the graph): the target's own greedy tokens."""
     from specmesh_services.verifier.engine import EngineLimits, VerifierEngine
-    from specmesh_services.verifier.graphs import StepGraphs
+    from specmesh_services.common.graphs import StepGraphs
     from test_step_graphs import stream
 
     lean = tiny_cuda_lean(torch.float32)

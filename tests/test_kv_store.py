@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
+from specmesh_services.common.kv import KVStore
 from specmesh_services.verifier.cost import VerifyCostModel
-from specmesh_services.verifier.kv import KVStore
 
 
 def make_store(capacity: int = 64, block: int = 4) -> KVStore:

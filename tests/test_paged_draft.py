@@ -29,11 +29,12 @@ def paged(capacity: int = 2048, max_rows: int = 64, device: str = "cpu") -> Page
 
 
 def test_paged_forwards_equal_the_lean_forwards():
-    """Prefill, a chain after it, then two tree levels (the second one's rows see the root and
-    one node of the first level each): logits and every layer's K/V as the lean forward's."""
+    """A prefill past the 64-row bucket (eager), a chain after it, then two tree levels (the
+    second one's rows see the root and one node of the first level each; replayed): logits
+    and every layer's K/V as the lean forward's."""
     lean, page = LeanLM(tiny_qwen2(), "lean"), paged()
     a, b = lean.new_cache(), page.new_cache()
-    prompt = list(range(7, 47))
+    prompt = list(range(7, 107))
     torch.testing.assert_close(page.prefill(b, prompt[:-3]), lean.prefill(a, prompt[:-3]),
                                atol=ATOL, rtol=0)
     chain = torch.tensor(prompt[-3:])

@@ -1,4 +1,4 @@
-"""The bucketed verify step (verifier/graphs.py) on the CPU, where it runs eagerly over the same
+"""The bucketed verify step (common/graphs.py) on the CPU, where it runs eagerly over the same
 padded buffers a GPU replays from CUDA graphs: padded steps give the unpadded step's logits, a
 request's tokens are the same whichever bucket its steps land in (or none: eager steps between
 them), and what the bucketed path takes or leaves to the eager one. Its Triton attention runs
@@ -12,10 +12,10 @@ import pytest
 import torch
 import transformers
 
+from specmesh_services.common.graphs import StepGraphs, buckets
 from specmesh_services.common.lean import LeanDecoder
 from specmesh_services.common.tree import TokenTree
 from specmesh_services.verifier.engine import EngineLimits, VerifierEngine
-from specmesh_services.verifier.graphs import StepGraphs, buckets
 from test_batch_verify import state  # tests/ is on the path
 from test_lean_target import chain, tree
 

@@ -2,14 +2,14 @@
 
 On CUDA a one-row drafting forward is bound by its kernel launches, as the verifier's step is
 (docs/gpu.md). `PagedLM` keeps every request's draft rows in one block-allocated store
-(verifier/kv.py) instead of per-request buffers (`LeanKV`), so a forward is the verifier's
-bucketed step (verifier/graphs.py): padded to a bucket of rows, its inputs staged in persistent
+(common/kv.py) instead of per-request buffers (`LeanKV`), so a forward is the verifier's
+bucketed step (common/graphs.py): padded to a bucket of rows, its inputs staged in persistent
 buffers, replayed from a graph captured once per bucket. A tree level's rows see the committed
 rows, the root and their own ancestors among the levels before: a mask over the request's
-rows from the root on, wider than the level (`Segment.mask` [n, W]). Parts too large for the
-largest bucket (a long prefill) run eagerly through the packed forward. Semantics are
-`LeanLM`'s (`new_cache`, `prefill`, `forward_many`): the drafts are the same up to float
-rounding (tests/test_paged_draft.py).
+rows from the root on, wider than the level (`Segment.mask` [n, W]). Parts the buckets do not
+cover (a long prefill, a long context's split past the item table) run eagerly over the same
+kernels. Semantics are `LeanLM`'s (`new_cache`, `prefill`, `forward_many`): the drafts are the
+same up to float rounding (tests/test_paged_draft.py).
 """
 from __future__ import annotations
 
@@ -19,14 +19,12 @@ from collections.abc import Sequence
 
 import torch
 
-from specmesh_kernels.backend import select_attention_backend
+from specmesh_services.common.graphs import StepGraphs
+from specmesh_services.common.kv import KVStore, Segment
 from specmesh_services.common.lm import Part, part_layout
 from specmesh_services.common.rpc import Overloaded
 from specmesh_services.drafter.engine import MAX_DEPTH, MAX_WIDTH
 from specmesh_services.drafter.lean import LeanLM
-from specmesh_services.verifier.graphs import StepGraphs
-from specmesh_services.verifier.kv import KVStore
-from specmesh_services.verifier.packed import PackedTarget, Segment
 
 __all__ = ["PagedKV", "PagedLM"]
 
@@ -90,15 +88,15 @@ class PagedLM(LeanLM):
         if max_rows < MAX_WIDTH:
             raise ValueError(f"draft graph rows must hold a tree level ({MAX_WIDTH} rows), "
                              f"got {max_rows}")
-        backend = select_attention_backend(self.device, "auto" if self.device.type == "cuda"
-                                           else "torch")
+        compact = None  # the store's default: torch's index copies
+        if self.device.type == "cuda":
+            from specmesh_kernels.compaction import compact_kv_triton as compact
         self.store = KVStore(self.num_layers, self.kv_heads, self.head_dim, capacity_tokens,
-                             BLOCK_SIZE, self.dtype, self.device, compact=backend.compact)
+                             BLOCK_SIZE, self.dtype, self.device, compact=compact)
         # a level's mask spans the tree so far and the level: MAX_DEPTH x MAX_WIDTH rows at most
         self.graphs = StepGraphs(self, self.store, max_rows, capture=capture,
                                  mask_width=MAX_DEPTH * MAX_WIDTH + max_rows,
                                  capture_mode="thread_local")
-        self.eager = PackedTarget(self, self.store, backend)
         self._keys = itertools.count()
 
     def new_cache(self) -> PagedKV:
@@ -113,7 +111,7 @@ class PagedLM(LeanLM):
         """`CausalLM.forward_many` (LeanLM's): each part's logits [n - logits_from, columns]
         float32 over the draft vocabulary. Parts that fit a bucket run through the bucketed
         step (all their rows get logits there; the rows asked for are returned), in groups
-        that fit; larger ones (causal chains) run eagerly."""
+        that fit; the others together in one eager step."""
         assert len({id(p.cache) for p in parts}) == len(parts), "one part per cache"
         segments = [self._segment(p) for p in parts]
         graphed = [dataclasses.replace(s, logits_from=0) for s in segments]  # all rows' logits
@@ -128,11 +126,7 @@ class PagedLM(LeanLM):
         if group:
             self._replay(group, graphed, parts, out)
         if eager:
-            wide = [i for i in eager if segments[i].mask.shape[0] != segments[i].mask.shape[1]]
-            if wide:
-                raise ValueError(f"a tree level of {segments[wide[0]].num_rows} rows does not "
-                                 f"fit the draft's largest bucket ({self.graphs.max_rows} rows)")
-            for i, logits in zip(eager, self.eager.forward([segments[i] for i in eager])):
+            for i, logits in zip(eager, self.graphs.eager([segments[i] for i in eager])):
                 out[i] = logits
         for p, s in zip(parts, segments):
             self.store.set_length(p.cache.key, s.start + s.num_rows)

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 import torch
 
 from specmesh_kernels.backend import AttentionBackend, select_attention_backend
+from specmesh_services.common.kv import KVStore
 from specmesh_services.common.lean import LeanDecoder
 from specmesh_services.common.lm import CausalLM
 from specmesh_services.common.sampling import Sampler, SamplingParams
 from specmesh_services.common.tree import CompiledTree, TokenTree, compile_tree
 from specmesh_services.verifier.cost import VerifyCostModel
-from specmesh_services.verifier.kv import KVStore
 from specmesh_services.verifier.lookup import LookupGate, NgramLookup
 from specmesh_services.verifier.packed import PackedTarget, Segment
 from specmesh_services.verifier.run_heads import HeadsGate
@@ -147,7 +147,7 @@ class VerifierEngine:
                               self.backend)
         if isinstance(lm, LeanDecoder) and lm.device.type == "cuda" and self.limits.graph_rows \
                 and self.backend.name in ("triton", "flash-attn"):
-            from specmesh_services.verifier.graphs import StepGraphs
+            from specmesh_services.common.graphs import StepGraphs
 
             target.graphs = StepGraphs(lm, store, self.limits.graph_rows)
         return store, target

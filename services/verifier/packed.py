@@ -18,10 +18,10 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from specmesh_kernels.backend import AttentionBackend
+from specmesh_services.common.kv import KVStore, Segment  # Segment: imported from here too
 from specmesh_services.common.lean import LeanDecoder
 from specmesh_services.common.lm import attention_implementation, model_configs
 from specmesh_services.verifier import prune
-from specmesh_services.verifier.kv import KVStore
 
 log = logging.getLogger(__name__)
 
@@ -29,25 +29,6 @@ ATTN_NAME = "specmesh"
 # prompt rows in a step with tree rows go through the prompt products (a native target's dense
 # copy) from this many on; fewer ride with the tree rows (one call instead of two)
 PROMPT_SPLIT_ROWS = 16
-
-
-@dataclass(frozen=True)
-class Segment:
-    """One request's new rows in a packed forward."""
-
-    request_id: str
-    start: int  # position of the first new row (= rows already in the KV store)
-    tokens: torch.Tensor  # [n] long
-    positions: torch.Tensor  # [n] long position ids (start + index for a chain, + depth in a tree)
-    # [n, n] bool: new row i may attend new row j; the bucketed step (graphs.py) also takes
-    # [n, W], W > n: the mask over the last W positions, the ones before always visible
-    mask: torch.Tensor
-    logits_from: int  # rows >= this need logits (the tree part); n = none (a prefill chunk)
-    parents: torch.Tensor | None = None  # tree rows' parent rows (root -1): early pruning
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.tokens.shape[0])
 
 
 @dataclass(frozen=True)
@@ -101,7 +82,7 @@ class PackedTarget:
         # kept tree rows (None: all of them)
         self.pruner = None
         self.survivors: list[torch.Tensor | None] = []
-        # bucketed steps replayed from CUDA graphs (verifier/graphs.py; lean target only)
+        # bucketed steps replayed from CUDA graphs (common/graphs.py; lean target only)
         self.graphs = None
         self.last_bucket = 0  # rows the last forward was padded to (0: run eagerly)
         self.last_chunks = 0  # its split-KV chunks (0: not split)

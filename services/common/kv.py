@@ -1,4 +1,5 @@
-"""The verifier's KV cache manager: preallocated, block-allocated storage shared by all requests.
+"""The paged KV cache manager: preallocated, block-allocated storage shared by all requests (the
+verifier's; on CUDA a lean draft model's too), and `Segment`, one request's new rows in a step.
 
 One tensor per K and V, `[num_layers, num_slots, kv_heads, head_dim]`, allocated and written
 (zeros) at start-up, so the process holds its budget from the start and its RSS stays flat
@@ -16,6 +17,25 @@ from dataclasses import dataclass, field
 import torch
 
 from specmesh_kernels.compaction import compact_kv_torch
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One request's new rows in a step over the store (the packed forward, the bucketed step)."""
+
+    request_id: str
+    start: int  # position of the first new row (= rows already in the KV store)
+    tokens: torch.Tensor  # [n] long
+    positions: torch.Tensor  # [n] long position ids (start + index for a chain, + depth in a tree)
+    # [n, n] bool: new row i may attend new row j; the bucketed step (graphs.py) also takes
+    # [n, W], W > n: the mask over the last W positions, the ones before always visible
+    mask: torch.Tensor
+    logits_from: int  # rows >= this need logits (the tree part); n = none (a prefill chunk)
+    parents: torch.Tensor | None = None  # tree rows' parent rows (root -1): early pruning
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.tokens.shape[0])
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""The verify step over static shapes: buckets of rows, replayed from CUDA graphs.
+"""A step over the paged KV store in static shapes: buckets of rows, replayed from CUDA graphs
+(the verifier's step; on CUDA a lean draft model's too: services/drafter/paged.py).
 
 A step whose rows all need logits (trees and plain steps, no prefill chain) is padded to the
 next bucket of rows. Its inputs (tokens, positions, the new rows' KV slots, the attention
@@ -30,7 +31,7 @@ from specmesh_kernels.backend import SPLIT_KV_CHUNK, SPLIT_KV_MIN
 from specmesh_kernels.decomposed import merge_states_triton, plan_chunks
 from specmesh_kernels.tree_attention import LOG2E
 from specmesh_services.common.lean import LeanDecoder
-from specmesh_services.verifier.kv import KVStore
+from specmesh_services.common.kv import KVStore
 
 log = logging.getLogger(__name__)
 
@@ -133,11 +134,35 @@ class StepGraphs:
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copies have read the staging buffers
         t, host, store = self.max_rows, self._host, self.store
+        new_slots, items, kv_slots, masks = self._layout(segments, chunks)
+        host[:rows] = torch.cat([s.tokens for s in segments])
+        host[rows:size] = 0
+        host[t:t + rows] = torch.cat([s.positions for s in segments])
+        host[t + rows:t + size] = 0
+        host[2 * t:2 * t + rows] = new_slots
+        host[2 * t + rows:2 * t + size] = store.scratch_slot
+        slots_items = size * max(1, chunks)
+        table = host[3 * t:3 * t + self._cols * slots_items].view(slots_items, self._cols)
+        table[:len(items)] = torch.tensor(items, dtype=torch.long)
+        table[len(items):] = 0  # empty items
+        end, mask_at = self._kv_at + kv_slots.numel(), masks.numel()
+        host[self._kv_at:end] = kv_slots
+        self._host_mask[:mask_at] = masks
+        cuda = self._copied is not None
+        self._dev[:end].copy_(host[:end], non_blocking=cuda)
+        self._dev_mask[:mask_at].copy_(self._host_mask[:mask_at], non_blocking=cuda)
+        if cuda:
+            self._copied.record()
+
+    def _layout(self, segments, chunks: int = 0):
+        """What a step over `segments` reads besides tokens and positions: the new rows' slots,
+        the work items (one per query block, and per KV chunk where `chunks`), every segment's
+        KV slots and its mask, flat."""
         kv_slots, new_slots, masks, items = [], [], [], []
         q_at = kv_at = mask_at = 0
         for s in segments:
             n, width = s.num_rows, s.mask.shape[1]  # the mask covers the last `width` positions
-            slots = store.slots(s.request_id, 0, s.start + n)
+            slots = self.store.slots(s.request_id, 0, s.start + n)
             kv_slots.append(slots)
             new_slots.append(slots[s.start:])
             masks.append(s.mask.reshape(-1))
@@ -146,24 +171,37 @@ class StepGraphs:
                 items += self._tk.item_rows(q_at, n, kv_at, lo, hi, s.start + n - width,
                                             mask_at, c, self._per_item, width)
             q_at, kv_at, mask_at = q_at + n, kv_at + s.start + n, mask_at + n * width
-        host[:rows] = torch.cat([s.tokens for s in segments])
-        host[rows:size] = 0
-        host[t:t + rows] = torch.cat([s.positions for s in segments])
-        host[t + rows:t + size] = 0
-        host[2 * t:2 * t + rows] = torch.cat(new_slots)
-        host[2 * t + rows:2 * t + size] = store.scratch_slot
-        slots_items = size * max(1, chunks)
-        table = host[3 * t:3 * t + self._cols * slots_items].view(slots_items, self._cols)
-        table[:len(items)] = torch.tensor(items, dtype=torch.long)
-        table[len(items):] = 0  # empty items
-        end = self._kv_at + kv_at
-        host[self._kv_at:end] = torch.cat(kv_slots)
-        self._host_mask[:mask_at] = torch.cat(masks)
-        cuda = self._copied is not None
-        self._dev[:end].copy_(host[:end], non_blocking=cuda)
-        self._dev_mask[:mask_at].copy_(self._host_mask[:mask_at], non_blocking=cuda)
-        if cuda:
-            self._copied.record()
+        return torch.cat(new_slots), items, torch.cat(kv_slots), torch.cat(masks)
+
+    def eager(self, segments) -> list[torch.Tensor]:
+        """A step the graphs do not cover (more rows than the largest bucket, a split step past
+        the item table, prefill rows), over tensors of its own: one work item per query block
+        over the whole KV (no split). Each segment's logits [n_s - logits_from, V] float32."""
+        dev, lean, store, tk = self.device, self.lean, self.store, self._tk
+        new_slots, items, kv_slots, masks = self._layout(segments)
+        new_slots, kv_slots = new_slots.to(dev), kv_slots.to(dev)
+        items = torch.tensor(items, dtype=torch.long, device=dev).view(-1, self._cols)
+        mask, scale = masks.to(dev, torch.uint8), lean.scale * LOG2E
+        keep, at = [], 0
+        for s in segments:
+            keep.append(torch.arange(at + s.logits_from, at + s.num_rows))
+            at += s.num_rows
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                   ) -> torch.Tensor:  # the new rows' K/V are in the store (`kv_at`)
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            tk.launch_items(q, store.k[layer], store.v[layer], items, kv_slots, mask, scale, out)
+            return out
+
+        def kv_at(layer: int):
+            return store.k[layer], store.v[layer], new_slots
+
+        tokens = torch.cat([s.tokens for s in segments]).to(dev)
+        positions = torch.cat([s.positions for s in segments]).to(dev)
+        hidden = lean.run(tokens, positions, attend, torch.cat(keep).to(dev), store=kv_at)
+        if hidden is None:  # no row needs logits
+            return [torch.empty(0, lean.columns, device=dev) for _ in segments]
+        return list(lean.logits(hidden).split([s.num_rows - s.logits_from for s in segments]))
 
     def _body(self, size: int, chunks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward over the first `size` rows of the persistent buffers; split into
