@@ -377,7 +377,7 @@ class Settings(BaseSettings):
     @classmethod
     def _draft_bucket(cls, value: int) -> int:
         if 0 < value < 64:
-            raise ValueError("expected 0 (off) or at least 64, the rows of a tree level's widest")
+            raise ValueError("expected 0 (off) or at least 64 (the most rows of a tree level)")
         return value
 
     @field_validator("drafters", mode="before")
