@@ -30,8 +30,8 @@ import torch
 from specmesh_kernels.backend import SPLIT_KV_CHUNK, SPLIT_KV_MIN
 from specmesh_kernels.decomposed import merge_states_triton, plan_chunks
 from specmesh_kernels.tree_attention import LOG2E
-from specmesh_services.common.lean import LeanDecoder
 from specmesh_services.common.kv import KVStore
+from specmesh_services.common.lean import LeanDecoder
 
 log = logging.getLogger(__name__)
 

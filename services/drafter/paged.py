@@ -116,9 +116,10 @@ class PagedLM(LeanLM):
         segments = [self._segment(p) for p in parts]
         graphed = [dataclasses.replace(s, logits_from=0) for s in segments]  # all rows' logits
         out: list[torch.Tensor | None] = [None] * len(parts)
-        eager = [i for i, s in enumerate(graphed) if not self.graphs.covers([s])]
+        fits = [self.graphs.covers([s]) for s in graphed]
+        eager = [i for i, fit in enumerate(fits) if not fit]
         group: list[int] = []
-        for i in (i for i in range(len(parts)) if i not in eager):
+        for i in (i for i, fit in enumerate(fits) if fit):
             if group and not self.graphs.covers([graphed[j] for j in group + [i]]):
                 self._replay(group, graphed, parts, out)
                 group = []
