@@ -296,6 +296,20 @@ def test_graph_replay_equals_eager_on_cuda(dtype):
         assert (x - y).abs().max().item() <= tol * max(1.0, y.abs().max().item())
 
 
+@pytest.mark.parametrize("split", [{}, {"split_min": 24, "chunk": 8}], ids=["whole", "split"])
+def test_runs_ahead_replay_the_tokens_of_one_step_a_sync_on_cuda(split):
+    """tests/test_run_ahead.py's runs with the graphs captured, fp32: rounds of 8 replays a
+    host sync give the target's greedy tokens, end at a stop inside a round and keep the KV
+    rows of one step a sync; sampled, the same draws (split: KV chunks change within a round)."""
+    import test_run_ahead as ahead
+
+    lean = tiny_cuda_lean(torch.float32)
+    ahead.test_greedy_runs_ahead_are_the_targets_tokens_and_end_at_stops(lean, split)
+    if not split:
+        ahead.test_sampled_runs_ahead_draw_what_one_step_a_sync_draws(lean)
+        ahead.test_penalized_sampling_and_short_runs_do_not_run_ahead(lean)
+
+
 def test_draft_graphs_draft_the_lean_trees_on_cuda():
     """tests/test_paged_draft.py's rounds (batched trees, rollbacks, pending rows, an eager
     prefill) with the draft's steps replayed from CUDA graphs: the trees the lean forward over

@@ -209,6 +209,12 @@ class VerifierSettings(Section):
                            "verifier serves heads, a round may verify their tree of this many "
                            "nodes below a request's next token, when its measured tokens a "
                            "second say it pays (a GPU); 0 = off")
+    run_ahead: int = Field(0, ge=0, le=64, description="on CUDA, where the verify step "
+                           "replays graphs: a plain run's round with no lookup chain and no "
+                           "heads tree decodes this many tokens back to back, each step's draw "
+                           "fed to the next on the device and copied to the host once for all "
+                           "(vLLM's multi-step decoding; not with repetition, presence or "
+                           "frequency penalties); 0 or 1 = a host sync every token")
     claim_idle_s: float = Field(30.0, gt=0, description="re-claim drafts unacknowledged this long")
     max_deliveries: int = Field(5, ge=1, description="a draft delivered this many times without "
                                 "being verified (every verifier that took it died or failed on "

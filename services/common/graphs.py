@@ -30,7 +30,7 @@ import torch
 from specmesh_kernels.backend import SPLIT_KV_CHUNK, SPLIT_KV_MIN
 from specmesh_kernels.decomposed import merge_states_triton, plan_chunks
 from specmesh_kernels.tree_attention import LOG2E
-from specmesh_services.common.kv import KVStore
+from specmesh_services.common.kv import KVStore, Segment
 from specmesh_services.common.lean import LeanDecoder
 
 log = logging.getLogger(__name__)
@@ -116,6 +116,32 @@ class StepGraphs:
         rows = sum(s.num_rows for s in segments)
         size, chunks = self.bucket(rows), self.chunks(segments)
         self._stage(segments, rows, size, chunks)
+        hidden, logits = self._replay(size, chunks)
+        sizes = [s.num_rows for s in segments]
+        return list(logits[:rows].split(sizes)), list(hidden[:rows].split(sizes))
+
+    def ahead(self, segments, steps: int, draw) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """`steps` steps of one row a segment, back to back with no host sync between them
+        (vLLM's multi-step decoding): step j's rows are the segments' moved on j positions, and
+        their tokens are `draw(j - 1, logits)` of the step before, copied on the device (step
+        0's: the segments'). The segments' KV must be reserved through the last step. Returns
+        each step's draws ([b] on the device) and the last step's final hidden states."""
+        rows, draws = len(segments), []
+        size = self.bucket(rows)
+        for j in range(steps):
+            step = segments if not j else [
+                Segment(s.request_id, s.start + j, s.tokens, s.positions + j, s.mask, 0)
+                for s in segments]
+            chunks = self.chunks(step)
+            self._stage(step, rows, size, chunks)
+            if j:  # after the staging copy, on the same stream: the drawn tokens win
+                self._dev[:rows].copy_(draws[-1])
+            hidden, logits = self._replay(size, chunks)
+            draws.append(draw(j, logits[:rows]))
+        return draws, hidden[:rows]
+
+    def _replay(self, size: int, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The staged bucket's forward: replayed (captured on first use), or run eagerly."""
         key = (size, chunks)
         if self.capture:
             graph = self._graphs.get(key) or self._capture(*key)
@@ -125,8 +151,7 @@ class StepGraphs:
         else:
             hidden, logits = self._body(size, chunks)
         self.last_bucket, self.last_chunks = size, chunks
-        sizes = [s.num_rows for s in segments]
-        return list(logits[:rows].split(sizes)), list(hidden[:rows].split(sizes))
+        return hidden, logits
 
     def _stage(self, segments, rows: int, size: int, chunks: int = 0) -> None:
         """The step's inputs into the persistent buffers: two copies to the device. Split

@@ -234,6 +234,9 @@ class VerifierMetrics:
         self.run_heads_accepted = Gauge("specmesh_verifier_run_heads_accepted_tokens", "of "
                                         "those, tokens the target accepted, since start",
                                         registry=r)
+        self.ahead_tokens = Gauge("specmesh_verifier_ahead_tokens", "tokens plain runs "
+                                  "decoded ahead, several steps a host sync (verifier."
+                                  "run_ahead), since start", registry=r)
         self.judged = Gauge("specmesh_verifier_prune_judged_nodes", "tree nodes the early "
                             "pruning head judged since start", registry=r)
         self.pruned = Gauge("specmesh_verifier_pruned_nodes", "tree nodes early pruning removed "
@@ -268,6 +271,7 @@ class VerifierMetrics:
         self.lookup_accepted.set(engine.lookup_accepted)
         self.run_heads_drafted.set(engine.run_heads_drafted)
         self.run_heads_accepted.set(engine.run_heads_accepted)
+        self.ahead_tokens.set(engine.ahead_tokens)
         if self._cost_of is not engine:
             self._bind_cost(engine)
 

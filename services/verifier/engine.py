@@ -98,6 +98,7 @@ class EngineLimits:
     run_lookup: int = 3  # plain runs draft from the request's own n-grams of this length (0: off)
     run_lookup_tokens: int = 5  # at most this many tokens a lookup
     run_heads: int = 16  # plain runs verify the served heads' tree of this many nodes (0: off)
+    run_ahead: int = 0  # graph-replayed plain rounds: steps a host sync (0, 1: one)
 
 
 @dataclass
@@ -127,6 +128,8 @@ class VerifierEngine:
         self.lookup_drafted = self.lookup_accepted = 0  # its tokens verified, accepted
         self.heads_gate = HeadsGate(self.lookup_gate, self.limits.run_heads)  # heads in runs
         self.run_heads_drafted = self.run_heads_accepted = 0  # their nodes verified, accepted
+        self.ahead_rounds = self.ahead_tokens = 0  # rounds decoded ahead, their tokens kept
+        self._root = compile_tree(TokenTree(), 0)  # a plain row (its draws read depths only)
         self.steps = 0
         self.last_step: StepStats | None = None
         self.prefill_rows = 0
@@ -429,7 +432,9 @@ class VerifierEngine:
                 and not entry.heads_nodes and done[0].bonus not in entry.stop_token_ids}
         while runs:
             ids = list(runs)
-            for request_id, tokens in zip(ids, self._run_round(ids, [runs[r][1] for r in ids])):
+            stops = [entries[runs[r][0]].stop_token_ids for r in ids]
+            for request_id, tokens in zip(ids, self._run_round(ids, [runs[r][1] for r in ids],
+                                                               stops)):
                 i, left = runs.pop(request_id)
                 if not tokens:
                     continue
@@ -441,11 +446,13 @@ class VerifierEngine:
                 if left > len(tokens) and ends is None:
                     runs[request_id] = (i, left - len(tokens))
 
-    def _run_round(self, request_ids: list[str], left: list[int]) -> list[list[int]]:
+    def _run_round(self, request_ids: list[str], left: list[int],
+                   stops: list | None = None) -> list[list[int]]:
         """One round of plain runs: each request's next tokens, at most its `left` ([]: deferred
         or failed: its run ends); a chain from prompt lookup where a request has one and the
         gate finds it pays (`lookup.LookupGate`), else the served heads' tree where theirs
-        does (`run_heads.HeadsGate`)."""
+        does (`run_heads.HeadsGate`); with neither, `run_ahead` steps where they can run
+        ahead (`_ahead_round`), each request's tokens cut after its first of `stops`."""
         start, gate = time.perf_counter(), self.lookup_gate
         chains, rows, expected = [], len(request_ids), float(len(request_ids))
         heads: list[int] = []  # the requests whose round verifies the heads' tree
@@ -466,6 +473,10 @@ class VerifierEngine:
                 trees.get(i) or TokenTree(tuple(c), tuple(range(-1, len(c) - 1)))
                 for i, c in enumerate(chains)])
             rows = len(request_ids) + sum(map(len, chains)) + sum(map(len, trees.values()))
+        elif not any(chains) and (steps := self._ahead_steps(request_ids, left)):
+            out = self._ahead_round(request_ids, steps, stops or [()] * len(request_ids))
+            gate.observe_round(rows, (time.perf_counter() - start) / steps)
+            return out
         else:
             out = self._chain_round(request_ids, chains)
         for i, (chain, tokens) in enumerate(zip(chains, out)):
@@ -491,6 +502,72 @@ class VerifierEngine:
         stepped = self.step(list(zip(request_ids, trees)))
         return [[] if s.outcome is None else [*s.outcome.walk.tokens, s.outcome.walk.bonus]
                 for s in stepped]
+
+    def _ahead_steps(self, request_ids: list[str], left: list[int]) -> int:
+        """Steps a round of one plain row a request runs ahead (0: one step, as any round):
+        the step runs from graphs, each request is caught up (its KV holds all its tokens but
+        the last), samples without penalties (a draw reads no history) and has room for them
+        in its context and the KV budget."""
+        steps = min(self.limits.run_ahead, *left)
+        graphs = getattr(self.target, "graphs", None)
+        if steps < 2 or graphs is None or self.target.pruner is not None:
+            return 0
+        reqs = [self.requests.get(r) for r in request_ids]
+        if any(r is None or r.sampler.params.penalized or self.store.length(i) != len(r.tokens)
+               - 1 or len(r.tokens) + steps > self.lm.context_length
+               for i, r in zip(request_ids, reqs)):
+            return 0
+        if not graphs.covers([_row_segment(i, 0, len(r.tokens) + steps - 2)
+                              for i, r in zip(request_ids, reqs)]):  # the round's last step
+            return 0
+        if not all(self.store.reserve(i, len(r.tokens) - 1 + steps)
+                   for i, r in zip(request_ids, reqs)):
+            for request_id in request_ids:  # the KV budget is short: what was taken goes back
+                if request_id in self.store.seqs:
+                    self.store.truncate_blocks(request_id)
+            return 0
+        return steps
+
+    def _ahead_round(self, request_ids: list[str], steps: int, stops: list
+                     ) -> list[list[int]]:
+        """`steps` plain steps of the requests replayed back to back, each step's draws fed to
+        the next on the device and copied to the host once for all (`StepGraphs.ahead`): each
+        request's tokens up to its first stop token; its KV kept up to them."""
+        start = time.perf_counter()
+        reqs = [self.requests[r] for r in request_ids]
+        greedy = all(r.sampler.params.greedy for r in reqs)
+
+        def draw(j: int, logits: torch.Tensor) -> torch.Tensor:
+            if greedy:
+                return torch.argmax(logits, dim=-1)
+            return torch.cat([row_draws(self._root, logits[i:i + 1], r.sampler, (),
+                                        base=len(r.tokens) + j) for i, r in enumerate(reqs)])
+
+        draws, hidden = self.target.graphs.ahead(
+            [_row_segment(i, r.tokens[-1], len(r.tokens) - 1) for i, r in zip(request_ids, reqs)],
+            steps, draw)
+        drawn = torch.stack(draws, dim=1).tolist()  # the round's one device-to-host copy
+        forward_end = time.perf_counter()
+        out = []
+        for i, (request_id, req, tokens) in enumerate(zip(request_ids, reqs, drawn)):
+            ends = next((k + 1 for k, t in enumerate(tokens) if t in stops[i]), steps)
+            tokens = tokens[:ends]
+            self.store.set_length(request_id, len(req.tokens) - 1 + len(tokens))
+            self.store.truncate_blocks(request_id)
+            req.tokens.extend(tokens)
+            req.hidden = hidden[[i]] if ends == steps else None  # the heads' next tree
+            req.last_used = time.monotonic()
+            self.ahead_tokens += len(tokens)
+            out.append(tokens)
+        self.ahead_rounds += 1
+        seconds = (time.perf_counter() - start) / steps
+        context = sum(len(r.tokens) for r in reqs)
+        bucket = self.target.graphs.last_bucket
+        for _ in range(steps):  # per step: what a step of one row a request costs
+            self._record(StepStats(len(reqs), context, len(reqs), len(reqs), seconds,
+                                   (forward_end - start) / steps, 0.0, bucket,
+                                   self.target.graphs.last_chunks))
+        return out
 
     def _heads_ready(self, request_id: str) -> bool:
         """The heads can draft the request's next round: served, and its last step's hidden
@@ -561,6 +638,12 @@ def _chain_segment(request_id: str, tokens: list[int], start: int) -> Segment:
     return Segment(request_id, start, torch.tensor(tokens, dtype=torch.long),
                    torch.arange(start, start + n), torch.ones(n, n, dtype=torch.bool).tril(),
                    logits_from=n)
+
+
+def _row_segment(request_id: str, token: int, position: int) -> Segment:
+    """One plain row with logits: a tree's root alone."""
+    return Segment(request_id, position, torch.tensor([token]), torch.tensor([position]),
+                   torch.ones(1, 1, dtype=torch.bool), logits_from=0)
 
 
 def _device_draws(planned: list[_Planned], logits: list[torch.Tensor]) -> list[list[int] | None]:

@@ -131,7 +131,8 @@ def build_engine(target: CausalLM | LeanDecoder | GgmlLM, settings: Settings,
     limits = EngineLimits(kv_budget_tokens=v.kv_budget_tokens, block_size=v.kv_block_size,
                           max_batch_tokens=v.max_batch_tokens, max_batch_trees=v.batch_size,
                           graph_rows=v.cuda_graph_rows, run_lookup=v.run_lookup,
-                          run_lookup_tokens=v.run_lookup_tokens, run_heads=v.run_heads)
+                          run_lookup_tokens=v.run_lookup_tokens, run_heads=v.run_heads,
+                          run_ahead=v.run_ahead)
     if isinstance(target, GgmlLM):  # what it cannot serve was refused by check_device
         log.info("verifier %s on llama.cpp: %d KV cells, batch %d trees / %d rows", name,
                  v.kv_budget_tokens, v.batch_size, v.max_batch_tokens)

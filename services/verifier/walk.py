@@ -61,13 +61,14 @@ def walk(tree: CompiledTree, logits: torch.Tensor, sampler: Sampler, tokens: Seq
 
 
 def row_draws(tree: CompiledTree, logits: torch.Tensor, sampler: Sampler,
-              tokens: Sequence[int]) -> torch.Tensor:
+              tokens: Sequence[int], base: int | None = None) -> torch.Tensor:
     """Every row's draw at once, on the logits' device: [n + 1] long, row i's draw being what
     `walk` samples at row i if it reaches it (its history is the committed tokens and the
     tree path down to i, fixed by the tree). The same operations as `Sampler.sample`, row-wise;
-    `walk_draws` then walks the tree on the host after a single copy."""
+    `walk_draws` then walks the tree on the host after a single copy. `base`: the committed
+    tokens' count where `tokens` is not all of them (unpenalized sampling reads no history)."""
     params, device = sampler.params, logits.device
-    base, vocab = len(tokens), logits.shape[-1]
+    base, vocab = len(tokens) if base is None else base, logits.shape[-1]
     out = logits.float()
     if params.penalized:
         history = torch.as_tensor(tokens, dtype=torch.long).to(device)
