@@ -22,7 +22,7 @@ def test_cost_coefficients_follow_the_fit_at_scrape_time():
     engine = SimpleNamespace(cost=cost, evictions=2, target=SimpleNamespace(pruner=pruner),
                              store=SimpleNamespace(used_blocks=3, block_size=16, capacity=1024),
                              lookup_drafted=5, lookup_accepted=3, run_heads_drafted=16,
-                             run_heads_accepted=2)
+                             run_heads_accepted=2, ahead_tokens=24)
     metrics = VerifierMetrics()
     stats = StepStats(rows=9, context=300, segments=2, trees=2, seconds=0.05)
     metrics.observe_step(engine, stats, drafted=7, accepted=4)
@@ -40,6 +40,7 @@ def test_cost_coefficients_follow_the_fit_at_scrape_time():
     assert sample(metrics, "specmesh_verifier_lookup_accepted_tokens") == 3
     assert sample(metrics, "specmesh_verifier_run_heads_drafted_tokens") == 16
     assert sample(metrics, "specmesh_verifier_run_heads_accepted_tokens") == 2
+    assert sample(metrics, "specmesh_verifier_ahead_tokens") == 24
     assert sample(metrics, "specmesh_verifier_accepted_tokens_total") == 4
     assert b"specmesh_verifier_step_seconds_count 2.0" in generate_latest(metrics.registry)
     pruner.nodes, pruner.pruned = 40, 25  # early pruning's counters, read when scraped
