@@ -17,7 +17,9 @@ log-sum-exp (kernels/decomposed.py), while bucket x C stays within the item tabl
 chunks, early pruning and larger split steps run eagerly (vLLM, too, runs prefill outside its
 graphs). Without CUDA the same padded forward runs eagerly (tests). A segment's mask may be
 wider than its rows ([n, W], the last W positions under it): a draft model's tree level, whose
-rows see only their ancestors among the levels before (services/drafter/paged.py).
+rows see only their ancestors among the levels before (services/drafter/paged.py). `ahead`
+replays several one-row steps back to back, each step's draws fed to the next on the device
+(a plain run's round decoded ahead: services/verifier/engine.py).
 """
 from __future__ import annotations
 
