@@ -25,11 +25,13 @@ T = TypeVar("T")
 
 class Chaos:
     """Kills a random live process of the `roles` every `every_s` and restarts it; with
-    `in_turn`, a process of each role in turn (every role gets killed in a short run)."""
+    `in_turn`, a process of each role in turn (every role gets killed in a short run); with
+    `limit`, no more than that many kills."""
 
     def __init__(self, stack, every_s: float, seed: int = 0, roles=VICTIMS,
-                 in_turn: bool = False) -> None:
+                 in_turn: bool = False, limit: int | None = None) -> None:
         self.stack, self.every_s, self.roles, self.in_turn = stack, every_s, roles, in_turn
+        self.limit = limit
         self.rng = random.Random(seed)
         self.kills: list[tuple[float, str, float]] = []  # (at s, name, seconds until it served)
 
@@ -42,6 +44,8 @@ class Chaos:
         with ThreadPoolExecutor(1) as pool:
             future = pool.submit(work)
             while not wait([future], timeout=self.every_s).done:
+                if self.limit is not None and len(self.kills) >= self.limit:
+                    continue
                 roles = ((self.roles[len(self.kills) % len(self.roles)],) if self.in_turn
                          else self.roles)
                 live = [c for c in self.stack.children
@@ -54,6 +58,10 @@ class Chaos:
                 self.kills.append((round(at - began, 1), victim.name,
                                    round(time.monotonic() - at, 1)))
             return future.result()
+
+    def finished(self) -> bool:
+        """Whether `limit` kills are done and the last one's process serves again."""
+        return self.limit is not None and len(self.kills) >= self.limit
 
 
 def markdown(report: dict) -> str:

@@ -16,7 +16,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -116,9 +116,11 @@ async def references(address: str, prompts: list[Prompt], max_tokens: int) -> li
 
 async def run_load(address: str, prompts: list[Prompt], expected: list[list[int]],
                    max_tokens: int, concurrency: int, seconds: float | None = None,
-                   requests: int | None = None, timeout_s: float = 1800) -> LoadStats:
-    """Streams until `seconds` have passed (requests in flight then finish) or `requests` have
-    been sent."""
+                   requests: int | None = None, timeout_s: float = 1800,
+                   until: Callable[[int], bool] | None = None) -> LoadStats:
+    """Streams until `seconds` have passed (requests in flight then finish), `requests` have
+    been sent, or `until(sent so far)` holds: a load that must outlast some event, whatever
+    the host's speed."""
     stats = LoadStats()
     began = time.monotonic()
     sent = 0
@@ -128,6 +130,8 @@ async def run_load(address: str, prompts: list[Prompt], expected: list[list[int]
         if seconds is not None and time.monotonic() - began >= seconds:
             return False
         if requests is not None and sent >= requests:
+            return False
+        if until is not None and until(sent):
             return False
         sent += 1
         return True
