@@ -108,32 +108,55 @@ def compute():
 
 
 @contextlib.contextmanager
-def once_per_run(tmp_path_factory, name: str):
+def once_per_run(tmp_path_factory, name: str, wait: bool = True):
     """A path shared by the run's test processes (pytest-xdist workers) and whether it still has
-    to be made: the first process to get here makes it while the others wait (a file lock)."""
+    to be made: the first process to get here makes it while the others wait (a file lock), or,
+    with `wait=False`, raise filelock.Timeout at once."""
     from filelock import FileLock
 
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent  # the run's temporary folder, above each worker's own
     path = root / name
-    with FileLock(str(path) + ".lock"):
+    with FileLock(str(path) + ".lock", timeout=-1 if wait else 0):
         yield path, not path.exists()
+
+
+REFERENCES = 20
 
 
 @pytest.fixture(scope="session")
 def hf_greedy_reference(hf_target, tokenizer, chat_prompt_ids, compute, tmp_path_factory):
-    """The target's own greedy continuations (64 new tokens) of the first 20 MT-Bench questions."""
+    """The target's own greedy continuations (64 new tokens) of the first 20 MT-Bench questions.
+    The run's test processes share the work: each makes the continuations no other is making,
+    then waits for the rest. One torch thread each: a one-row `generate` is mostly Python (as
+    fast on one thread as on two), and two processes' two-thread OpenMP teams on two cores spin
+    at barriers (3x slower each)."""
+    from filelock import Timeout
+
     def generate(i: int) -> list[int]:
-        ids = torch.tensor([chat_prompt_ids(i)])
-        with torch.inference_mode():
-            seq = hf_target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                     max_new_tokens=64, pad_token_id=tokenizer.eos_token_id)
+        ids, threads = torch.tensor([chat_prompt_ids(i)]), torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with torch.inference_mode():
+                seq = hf_target.generate(ids, attention_mask=torch.ones_like(ids),
+                                         do_sample=False, max_new_tokens=64,
+                                         pad_token_id=tokenizer.eos_token_id)
+        finally:
+            torch.set_num_threads(threads)
         return seq[0, ids.shape[1]:].tolist()
-    with once_per_run(tmp_path_factory, "hf-greedy-reference.json") as (path, make):
-        if make:
-            path.write_text(json.dumps([compute.submit(generate, i).result() for i in range(20)]))
-        return json.loads(path.read_text())
+    made: dict[int, list[int]] = {}
+    for wait in (False, True):
+        for i in sorted(set(range(REFERENCES)) - set(made)):
+            try:
+                with once_per_run(tmp_path_factory, f"hf-greedy-reference-{i}.json", wait) as (
+                        path, make):
+                    if make:
+                        path.write_text(json.dumps(compute.submit(generate, i).result()))
+                    made[i] = json.loads(path.read_text())
+            except Timeout:
+                continue  # another process is making it: taken on the waiting pass
+    return [made[i] for i in range(REFERENCES)]
 
 
 @pytest.fixture(scope="session")
