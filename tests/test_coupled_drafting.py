@@ -189,4 +189,5 @@ def test_the_mesh_samples_the_same_tokens_with_any_draft_and_couples_its_drafts(
         assert [list(r.token_ids) for r in responses] == reference, key
     share = {name: sum(r.stats.accepted_tokens for r in out[name, 1])
              / sum(r.stats.draft_tokens for r in out[name, 1]) for name in ("coupled", "uncoupled")}
+    print(f"accepted share of drafted tokens: {share}")
     assert share["coupled"] > share["uncoupled"], share

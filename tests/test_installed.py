@@ -63,7 +63,9 @@ def test_non_editable_install_into_a_fresh_venv(tmp_path):
     default model's draft heads and early head ship inside the package."""
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", str(venv)], cwd=tmp_path)
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q",
+    # --no-compile: byte-compiling torch's and transformers' sources at install costs more than
+    # the first imports then spend compiling what they use
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile",
            "--disable-pip-version-check"]
     # the exact torch pin first (the CPU wheel), then the SDK and the server, not editable
     _run([*pip, "torch==2.13.0"], cwd=tmp_path, timeout=900)
@@ -82,20 +84,22 @@ def test_non_editable_install_into_a_fresh_venv(tmp_path):
     # llama.cpp's kernels as `make setup` installs them (the wheel cached per CPU kind)
     _run(["bash", str(REPO / "deploy" / "install-ggml.sh"), str(venv / "bin" / "python")],
          cwd=tmp_path, timeout=1800)
-    version = _run([str(venv / "bin" / "python"), "-c", GGML_VERSION], cwd=tmp_path).stdout
+    # (serving on it is tested in test_ggml_serving, on the wheel the same script installed)
+    version = _run([str(venv / "bin" / "python"), "-P", "-c", GGML_VERSION],
+                   cwd=tmp_path).stdout
     if version.strip():  # built here (a host without a compiler gets a message instead)
         assert "+specmesh" in version  # from the patched source (deploy/patch-llama-cpp.sh)
-        out = _run([specmesh, "run", "The capital of France is", "--max-tokens", "8",
-                    "--target-runner", "ggml"], cwd=tmp_path)
-        assert out.stdout.strip()
 
 
 GGML_VERSION = """
 import importlib.metadata as m
 try:
-    print(m.version("llama-cpp-python"))
+    version = m.version("llama-cpp-python")
 except m.PackageNotFoundError:
-    print("")
+    version = ""
+if version:
+    import llama_cpp  # noqa: F401  (the installed wheel loads its shared libraries)
+print(version)
 """
 
 

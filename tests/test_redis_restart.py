@@ -12,6 +12,8 @@ from specmesh_services.launch.procs import free_port
 from specmesh_services.launch.redis_server import RedisServer
 from specmesh_services.launch.stack import Stack
 
+AFTER_TOKENS = 16  # after the restart the stack serves on: a short request shows it
+
 
 @pytest.fixture(scope="module")
 def aof_redis():
@@ -51,6 +53,6 @@ def test_redis_restarted_mid_stream_loses_nothing(stack, aof_redis, questions,
         aof_redis.restart()
         tokens = future.result(timeout=300)
         assert tokens == hf_greedy_reference[4]
-        after = c.chat(messages, max_tokens=64)  # and the stack serves on
-    assert list(after.token_ids) == hf_greedy_reference[4]
+        after = c.chat(messages, max_tokens=AFTER_TOKENS)  # and the stack serves on
+    assert list(after.token_ids) == hf_greedy_reference[4][:AFTER_TOKENS]
     assert all(child.alive() for child in stack.children)
