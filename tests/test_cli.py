@@ -67,10 +67,13 @@ def readme_block(heading: str, language: str) -> str:
 
 
 def test_up_detach_generate_down(cli_env, tmp_path):
-    port, http_port = free_port(), free_port()
-    up = run_cli(["up", "--detach", "--port", str(port), "--http-port", str(http_port)], cli_env)
+    http_port = free_port()
+    up = run_cli(["up", "--detach", "--port", "0", "--http-port", str(http_port)], cli_env)
     assert up.returncode == 0, up.stdout + up.stderr
     assert f"OpenAI-compatible API on http://127.0.0.1:{http_port}/v1" in up.stdout
+    # --port 0: a free port, chosen before the stack starts and printed
+    port = int(json.loads((tmp_path / "run" / "stack.json").read_text())["gateway"].split(":")[1])
+    assert port > 0 and f"gateway on 127.0.0.1:{port}" in up.stdout
     pids = stack_pids(tmp_path / "run")
     # supervisor + gateway, router, datastore (the default model drafts with it), verifier
     assert len(pids) == 5
@@ -129,6 +132,8 @@ def test_model_flags_become_settings():
     assert (settings.draft_vocab, settings.dtype, settings.drafters) == (4096, "float32",
                                                                          ["layers:8@int4"])
     assert settings_from(build_parser().parse_args(["run", "hi"])).draft_vocab == 0
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", "--port", "70000"])
 
 
 def test_down_kills_a_supervisor_that_ignores_sigterm(tmp_path, monkeypatch):

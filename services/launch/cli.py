@@ -79,6 +79,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
+    return value
+
+
 def _gpu_list(text: str) -> tuple[int, ...]:
     try:
         gpus = tuple(int(g) for g in text.split(","))
@@ -271,7 +278,8 @@ def _add_up(sub) -> None:
                  "Start gateway (on --port), router, drafter, verifier and a "
                  "private redis-server (unless --redis-url) as local processes. "
                  "Ctrl-C or `specmesh down` stops them all.")
-    p.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT, help="gateway port [50051]")
+    p.add_argument("--port", type=_port, default=DEFAULT_GATEWAY_PORT,
+                   help="gateway port (0: a free one, printed once up) [50051]")
     p.add_argument("--detach", action="store_true", help="return once the stack is up")
     p.add_argument("--verifiers", type=_positive, default=1, metavar="N",
                    help="verifier replicas (they share the pool's trees; a request's KV is "

@@ -333,6 +333,7 @@ def up(settings: Settings, port: int, detach: bool, secure: bool = False,
         print(f"a stack is already running (pid {running['pid']}, gateway {running['gateway']}): "
               f"`specmesh down` first", file=sys.stderr)
         return 1
+    port = port or free_port()  # 0: any free port, chosen here so a detached stack reports it
     if detach:
         return _up_detached(settings, port, state, secure, verifiers, routers, drafting, gpus)
     log_dir = settings.stack_dir / "logs"  # Stack.start creates it
