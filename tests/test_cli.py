@@ -66,17 +66,31 @@ def readme_block(heading: str, language: str) -> str:
     return section.split(f"```{language}\n", 1)[1].split("```", 1)[0]
 
 
-def test_up_detach_generate_down(cli_env, tmp_path):
+STREAM_TOKENS = 24  # each stream waits after its first chunk until the kill: always mid-stream
+
+
+def test_up_detach_serves_restarts_killed_children_and_goes_down(cli_env, tmp_path):
+    """The detached stack's life: `up --detach` (a free gateway port, two routers, two
+    datastores: the default model's drafter), `generate`, the README's OpenAI examples; SIGKILL a
+    datastore mid-stream, then a router under two streams: every stream completes with the
+    undisturbed run's tokens (a datastore's requests move to the other one, a router's streams
+    resume on the other router), `up` logs why each died and starts it again on its port, and
+    the stack serves on; `down` leaves no process. One verifier: replicated verifiers are killed
+    in tests/test_stack.py, and a second one here would only share the two cores."""
     http_port = free_port()
-    up = run_cli(["up", "--detach", "--port", "0", "--http-port", str(http_port)], cli_env)
+    up = run_cli(["up", "--detach", "--port", "0", "--http-port", str(http_port),
+                  "--routers", "2", "--drafting", "2"], cli_env)
     assert up.returncode == 0, up.stdout + up.stderr
     assert f"OpenAI-compatible API on http://127.0.0.1:{http_port}/v1" in up.stdout
+    state = tmp_path / "run" / "stack.json"
     # --port 0: a free port, chosen before the stack starts and printed
-    port = int(json.loads((tmp_path / "run" / "stack.json").read_text())["gateway"].split(":")[1])
+    port = int(json.loads(state.read_text())["gateway"].split(":")[1])
     assert port > 0 and f"gateway on 127.0.0.1:{port}" in up.stdout
+    children = json.loads(state.read_text())["children"]
+    assert set(children) == {"gateway", "verifier", "router", "router-2", "datastore",
+                             "datastore-2"}
     pids = stack_pids(tmp_path / "run")
-    # supervisor + gateway, router, datastore (the default model drafts with it), verifier
-    assert len(pids) == 5
+    assert all(pid_alive(p) for p in pids)
     try:
         gen = run_cli(["generate", "Hello, my name is", "--address", f"127.0.0.1:{port}",
                        "--max-tokens", "8", "--stream"], cli_env)
@@ -92,12 +106,57 @@ def test_up_detach_generate_down(cli_env, tmp_path):
                                  cwd=tmp_path, timeout=120)
             assert ran.returncode == 0 and ran.stdout.strip(), ran.stdout + ran.stderr
             assert "accepted_prediction_tokens" in ran.stdout or '"choices"' in ran.stdout
+        pids += kill_mid_stream_and_see_restarts(port, state)
+        log = (tmp_path / "run" / "up.log").read_text()
+        for name in ("datastore", "router"):
+            assert f"{name} died (code -9)" in log and f"{name} restarted" in log, name
     finally:
         down = run_cli(["down"], cli_env)
     log = (tmp_path / "run" / "up.log").read_text()[-3000:]
     assert down.returncode == 0, down.stderr + log
     assert wait_gone(pids) == [], f"processes survived `specmesh down`:\n{down.stderr}{log}"
-    assert not (tmp_path / "run" / "stack.json").exists()
+    assert not state.exists()
+
+
+def kill_mid_stream_and_see_restarts(port: int, state: Path) -> list[int]:
+    """SIGKILLs the datastore, then the router, each under two streams; checks the streams'
+    tokens, the restarts and a request after them; returns the new processes' pids."""
+    from specmesh import Client
+
+    def pid_of(name):
+        return json.loads(state.read_text())["children"][name]["pid"]
+
+    def restarted(name, victim):
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if pid_of(name) != victim and pid_alive(pid_of(name)):
+                return pid_of(name)
+            time.sleep(0.5)
+        pytest.fail(f"{name} was not restarted")
+    new = []
+    with Client(f"127.0.0.1:{port}", timeout=300) as client:
+        prompt = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
+        reference = client.chat(prompt, max_tokens=STREAM_TOKENS)
+        for name in ("datastore", "router"):
+            victim, killed = pid_of(name), threading.Event()
+
+            def stream():
+                tokens = []
+                for chunk in client.stream_chat(prompt, max_tokens=STREAM_TOKENS):
+                    tokens += chunk.token_ids
+                    if not killed.is_set():
+                        killed.wait(timeout=60)
+                return tokens
+            with ThreadPoolExecutor(2) as pool:  # one stream on each router
+                streams = [pool.submit(stream) for _ in range(2)]
+                time.sleep(1.0)
+                os.kill(victim, signal.SIGKILL)
+                killed.set()
+                assert [s.result(timeout=300) for s in streams] == \
+                    [list(reference.token_ids)] * 2, name
+            new.append(restarted(name, victim))
+        assert client.chat(prompt, max_tokens=8).token_ids == reference.token_ids[:8]
+    return new
 
 
 def test_ctrl_c_on_up_stops_everything(cli_env, tmp_path):
@@ -162,68 +221,6 @@ def test_down_kills_a_supervisor_that_ignores_sigterm(tmp_path, monkeypatch):
         for p in (hung, other):
             p.kill()
             p.wait()
-
-
-STREAM_TOKENS = 24  # each stream waits after its first chunk until the kill: always mid-stream
-
-
-def test_up_restarts_a_killed_child_and_its_stream_completes_unchanged(cli_env, tmp_path):
-    """Two routers and two datastores (the default model's drafter). SIGKILL a datastore
-    mid-stream, then a router under two streams: every stream completes with the undisturbed
-    run's tokens (a datastore's requests move to the other one, a router's streams resume on the
-    other router), `up` logs why each died and starts it again on its port, and the stack serves
-    on. One verifier: replicated verifiers are killed in tests/test_stack.py, and a second one
-    here would only share the two cores."""
-    from specmesh import Client
-
-    port = free_port()
-    up = run_cli(["up", "--detach", "--port", str(port), "--http-port", "0", "--routers", "2",
-                  "--drafting", "2"], cli_env)
-    assert up.returncode == 0, up.stdout + up.stderr
-    state = tmp_path / "run" / "stack.json"
-    children = json.loads(state.read_text())["children"]
-    assert {"verifier", "router", "router-2", "datastore", "datastore-2"} <= set(children)
-    assert all(pid_alive(c["pid"]) for c in children.values())
-
-    def pid_of(name):
-        return json.loads(state.read_text())["children"][name]["pid"]
-
-    def restarted(name, victim):
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if pid_of(name) != victim and pid_alive(pid_of(name)):
-                return
-            time.sleep(0.5)
-        pytest.fail(f"{name} was not restarted")
-    try:
-        with Client(f"127.0.0.1:{port}", timeout=300) as client:
-            prompt = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
-            reference = client.chat(prompt, max_tokens=STREAM_TOKENS)
-            for name in ("datastore", "router"):
-                victim, killed = pid_of(name), threading.Event()
-
-                def stream():
-                    tokens = []
-                    for chunk in client.stream_chat(prompt, max_tokens=STREAM_TOKENS):
-                        tokens += chunk.token_ids
-                        if not killed.is_set():
-                            killed.wait(timeout=60)
-                    return tokens
-                with ThreadPoolExecutor(2) as pool:  # one stream on each router
-                    streams = [pool.submit(stream) for _ in range(2)]
-                    time.sleep(1.0)
-                    os.kill(victim, signal.SIGKILL)
-                    killed.set()
-                    assert [s.result(timeout=300) for s in streams] == \
-                        [list(reference.token_ids)] * 2, name
-                restarted(name, victim)
-            assert client.chat(prompt, max_tokens=8).token_ids == reference.token_ids[:8]
-        log = (tmp_path / "run" / "up.log").read_text()
-        for name in ("datastore", "router"):
-            assert f"{name} died (code -9)" in log and f"{name} restarted" in log, name
-    finally:
-        down = run_cli(["down"], cli_env)
-    assert down.returncode == 0, down.stderr
 
 
 FAKE_CHILD = """
