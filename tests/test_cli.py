@@ -66,6 +66,26 @@ def readme_block(heading: str, language: str) -> str:
     return section.split(f"```{language}\n", 1)[1].split("```", 1)[0]
 
 
+def test_up_refuses_a_port_in_use_before_starting_anything(tmp_path, monkeypatch, capsys):
+    """A gateway or HTTP port something else listens on: `up` says which, at once (no child
+    started, no state written), instead of failing once the models have loaded."""
+    from specmesh_services.common.config import Settings
+    from specmesh_services.launch import stack
+
+    monkeypatch.setenv("SPECMESH_RUN_DIR", str(tmp_path))
+    monkeypatch.setattr(stack.Stack, "start", lambda self: pytest.fail("the stack was started"))
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        assert stack.up(Settings(), port=taken, detach=False) == 1
+        assert f"gateway port {taken} on 127.0.0.1 in use" in capsys.readouterr().err
+        http = Settings().with_overrides(**{"gateway.http_port": taken})
+        assert stack.up(http, port=0, detach=True) == 1
+        assert f"HTTP port {taken} on 127.0.0.1 in use" in capsys.readouterr().err
+    assert not stack.state_path(Settings()).exists()
+
+
 STREAM_TOKENS = 24  # each stream waits after its first chunk until the kill: always mid-stream
 
 

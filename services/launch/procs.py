@@ -31,6 +31,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_free(host: str, port: int) -> bool:
+    """Whether a server could listen on `host`:`port` now (bound as gRPC binds: SO_REUSEADDR,
+    so a port left in TIME_WAIT counts as free)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            s.listen()
+        except OSError:
+            return False
+    return True
+
+
 def pid_alive(pid: int) -> bool:
     """Whether process `pid` exists and is not a zombie (a dead child not yet reaped)."""
     try:

@@ -25,12 +25,9 @@ from urllib.parse import urlsplit, urlunsplit
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specmesh_services.common import cores, models, security
+from specmesh_services.common import cores, security
 from specmesh_services.common.config import Settings, SettingsError
-from specmesh_services.common.device import check as check_device
-from specmesh_services.common.drafts import model_specs, serves_drafter
-from specmesh_services.drafter.models import DraftSpec
-from specmesh_services.launch.procs import free_port, orphan_guard, pid_alive
+from specmesh_services.launch.procs import free_port, orphan_guard, pid_alive, port_free
 from specmesh_services.launch.supervisor import supervise
 
 CLI_MODULE = "specmesh_services.launch.cli"  # children run `python -m CLI_MODULE ...`
@@ -111,6 +108,8 @@ class Stack:
     gpus: tuple[int, ...] = ()  # GPUs given out to the model processes in turn (empty: inherit)
 
     def start(self) -> None:
+        from specmesh_services.common import models  # torch: not in `up --detach`'s own process
+
         self.log_dir.mkdir(parents=True, exist_ok=True)
         settings = models.served(self.settings)  # every child serves the same resolved source
         prepare(settings)
@@ -133,6 +132,8 @@ class Stack:
         """The pool's consumers and the draft sources, then the routers, then the gateway, each
         stage healthy before the next; a port chosen here and taken before its child bound it
         is chosen again (the stage restarts)."""
+        from specmesh_services.common.drafts import serves_drafter
+
         replicas = {"verifier": self.verifiers, "router": self.routers,
                     "drafter": self.drafting, "datastore": self.drafting, "gateway": 1}
         ports = {role: [self.gateway_port] if role == "gateway" else
@@ -293,6 +294,11 @@ def prepare(settings: Settings) -> None:
     """Converts the target and the drafts it serves with once, here, with a progress bar (not 2x
     in children), and builds the default datastore where the datastore drafts. A device the
     models cannot run on is refused first (`SettingsError`)."""
+    from specmesh_services.common import models
+    from specmesh_services.common.device import check as check_device
+    from specmesh_services.common.drafts import model_specs
+    from specmesh_services.drafter.models import DraftSpec
+
     check_device(settings)
     settings = models.served(settings)
     names = [settings.model]
@@ -310,6 +316,8 @@ def prepare(settings: Settings) -> None:
 def prepare_datastore(settings: Settings) -> None:
     """Builds the default datastore of the target's tokenizer (ShareGPT, once) when the served
     source uses the datastore and no datastore path was given."""
+    from specmesh_services.common import models
+
     settings = models.served(settings)
     if settings.speculation.source != "model" and settings.datastore.path is None:
         from specmesh_services.datastore import build
@@ -334,6 +342,14 @@ def up(settings: Settings, port: int, detach: bool, secure: bool = False,
               f"`specmesh down` first", file=sys.stderr)
         return 1
     port = port or free_port()  # 0: any free port, chosen here so a detached stack reports it
+    taken = [f"{what} port {p}" for what, p in (("gateway", port),
+                                                ("HTTP", settings.gateway.http_port))
+             if p and not port_free(settings.host, p)]
+    if taken:  # refused before any process starts, not after the models have loaded
+        print(f"error: {' and '.join(taken)} on {settings.host} in use: stop what listens there "
+              f"(`specmesh down` for a stack) or choose another (--port, --http-port; 0 picks a "
+              f"free one)", file=sys.stderr)
+        return 1
     if detach:
         return _up_detached(settings, port, state, secure, verifiers, routers, drafting, gpus)
     log_dir = settings.stack_dir / "logs"  # Stack.start creates it
