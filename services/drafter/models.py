@@ -12,11 +12,10 @@ GGUF file runs on llama.cpp's kernels with `draft_runner` ggml (ggml_lm.py).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
-from specmesh_kernels.linear_rules import draft_weights, pack_linears, quantize_linears
+from specmesh_kernels.linear_rules import pack_linears, quantize_linears
 from specmesh_services.common import datastore_files, models
 from specmesh_services.common.config import Settings, SettingsError
 from specmesh_services.common.device import resolve_device
@@ -27,52 +26,10 @@ from specmesh_services.drafter.ggml_lm import GgmlDraftLM
 from specmesh_services.drafter.lean import LeanLM
 from specmesh_services.drafter.lean import supports as lean_supports
 from specmesh_services.drafter.paged import PagedLM
+from specmesh_services.drafter.spec import DraftSpec
 from specmesh_services.drafter.vocab import frequent_tokens, restrict_vocab, token_counts
 
 log = logging.getLogger(__name__)
-
-
-WEIGHTS = ("int8", "int4", "auto")  # what may follow '@' in a spec
-
-
-@dataclass(frozen=True)
-class DraftSpec:
-    """A parsed draft spec: `base` (layers:N or a model name/dir) and its weights."""
-
-    base: str
-    weights: str | None = None  # None: the configured dtype; "int8" | "int4" | "auto"
-    layers: int | None = None  # layers:N
-
-    @classmethod
-    def parse(cls, spec: str) -> DraftSpec:
-        base, at, weights = spec.rpartition("@")
-        if not at:
-            base, weights = spec, ""
-        elif weights not in WEIGHTS and "/" in base:  # a Hub id's revision: owner/name@rev
-            base, weights = spec, ""
-        elif weights not in WEIGHTS:
-            raise ValueError(f"bad draft spec '{spec}': after '@' expected one of "
-                             f"{', '.join(WEIGHTS)}, got '{weights}'")
-        if not base:
-            raise ValueError(f"bad draft spec '{spec}': no model before '@'")
-        layers = None
-        if base.startswith("layers:"):
-            try:
-                layers = int(base.split(":", 1)[1])
-            except ValueError:
-                raise ValueError(f"bad draft spec '{spec}': expected layers:N with N an "
-                                 f"integer") from None
-        return cls(base, weights or None, layers)
-
-    def quantized(self, device: torch.device | str = "cpu") -> str | None:
-        """The draft's quantized weights on `device` ("int8" / "int4"; `auto` resolved for this
-        CPU), None for the configured dtype (`auto` on CUDA: the quantized kernels are CPU ones)."""
-        if torch.device(device).type != "cpu":
-            if self.weights not in (None, "auto"):
-                raise ValueError(f"draft weights @{self.weights} run on the CPU only, not on "
-                                 f"{device}: use @auto or no suffix")
-            return None
-        return draft_weights() if self.weights == "auto" else self.weights
 
 
 def linear_converter(spec: DraftSpec, settings: Settings):

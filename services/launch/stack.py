@@ -129,9 +129,11 @@ class Stack:
         self.start_children(settings)
 
     def start_children(self, settings: Settings) -> None:
-        """The pool's consumers and the draft sources, then the routers, then the gateway, each
-        stage healthy before the next; a port chosen here and taken before its child bound it
-        is chosen again (the stage restarts)."""
+        """The pool's consumers and the draft sources (a drafter times its forwards as it
+        starts: nothing else starts beside them), then the routers (which ask the drafting
+        services for their models) together with the gateway (which asks nothing at start),
+        each stage healthy before the next; a port chosen here and taken before its child bound
+        it is chosen again (the stage restarts)."""
         from specmesh_services.common.drafts import serves_drafter
 
         replicas = {"verifier": self.verifiers, "router": self.routers,
@@ -143,7 +145,7 @@ class Stack:
         source = settings.speculation.source
         drafting = tuple(role for role, used in (("drafter", serves_drafter(settings)),
                                                  ("datastore", source != "model")) if used)
-        for roles in (("verifier", *drafting), ("router",), ("gateway",)):
+        for roles in (("verifier", *drafting), ("router", "gateway")):
             for attempt in range(PORT_RETRIES + 1):
                 self.settings = settings.with_overrides(  # what the children run with
                     **{"gateway.http_port": self.http_port},
@@ -297,7 +299,7 @@ def prepare(settings: Settings) -> None:
     from specmesh_services.common import models
     from specmesh_services.common.device import check as check_device
     from specmesh_services.common.drafts import model_specs
-    from specmesh_services.drafter.models import DraftSpec
+    from specmesh_services.drafter.spec import DraftSpec
 
     check_device(settings)
     settings = models.served(settings)
