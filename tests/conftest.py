@@ -25,6 +25,12 @@ from specmesh_services.common.config import Settings
 from specmesh_services.common.lm import CausalLM
 from specmesh_services.launch.redis_server import RedisServer
 
+# A test process per core (pytest -n 2 on two cores): torch in each on one thread, as two
+# processes' two-thread OpenMP teams spin at barriers on the cores the other one holds. Services
+# started as processes get their threads from the stack's core plan, as in serving.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) >= len(os.sched_getaffinity(0)):
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def redis_server():
