@@ -14,12 +14,6 @@ import os
 from pathlib import Path
 if not os.environ.get("CUDA_VISIBLE_DEVICES") and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"  # no GPU here: Triton kernels run in its interpreter
-# A test process per core (pytest -n 2 on two cores): every OpenMP team, this process's and
-# those of the services the tests start, sleeps at its barriers instead of spinning on a core
-# the other test process holds (set before torch loads libgomp; children inherit it). The
-# detached-stack test beside a busy core: 252 s spinning, 121 s passive, 81 s alone (Zen 3).
-if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) >= len(os.sched_getaffinity(0)):
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 import redis
@@ -31,9 +25,9 @@ from specmesh_services.common.config import Settings
 from specmesh_services.common.lm import CausalLM
 from specmesh_services.launch.redis_server import RedisServer
 
-# A test process per core: torch in each on one thread, as two processes' two-thread OpenMP
-# teams contend for the cores the other one holds. Services started as processes get their
-# threads from the stack's core plan, as in serving.
+# A test process per core (pytest -n 2 on two cores): torch in each on one thread, as two
+# processes' two-thread OpenMP teams spin at barriers on the cores the other one holds. Services
+# started as processes get their threads from the stack's core plan, as in serving.
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) >= len(os.sched_getaffinity(0)):
     torch.set_num_threads(1)
 
